@@ -1,0 +1,783 @@
+"""Load and check a DeepSpeed JSON config: every problem reported at once, before any process group.
+
+    cfg = load_config("ds_config.json", world_size=8)      # or a dict, a JSON string, args=...
+    cfg.train_micro_batch_size_per_gpu, cfg.zero_optimization.stage, cfg.precision
+    print(cfg.batch.describe())
+
+`load_config` is stricter than DeepSpeed: unknown keys are errors at every depth (DeepSpeed
+ignores top-level typos), "auto" must have been resolved by an integration, keys DeepSpeed removed
+are reported with advice, features zerodp does not implement are accepted only at their defaults,
+and the data-parallel world size is never assumed to be 1 (DeepSpeed does that when
+torch.distributed is not initialised, the source of its most common batch-size error).
+The schema and its defaults (DeepSpeed 0.19.8's code, not its docs) live in `zerodp.config_schema`.
+
+[Note: order of checks]
+1. read the input (dict / path / JSON string / ZeroDPConfig / args.deepspeed_config);
+   unreadable JSON or duplicate keys stop here, since nothing after that can be trusted;
+2. walk the raw dict against the schema: removed keys, "auto", deprecated names, unknown keys;
+3. pydantic validation; each failing key is dropped and validation repeated so that the
+   remaining checks still run on a model (the failed key paths are remembered);
+4. cross-field rules, skipping any rule that reads a failed key;
+5. world size, then the batch rule (skipped if a batch key itself failed).
+All problems from 2-5 are raised together as one ConfigError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import copy
+import functools
+import json
+import os
+import sys
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from zerodp.config_schema import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    BF16Config,
+    CheckpointConfig,
+    CommsLoggerConfig,
+    DataTypesConfig,
+    FlopsProfilerConfig,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    Section,
+    TimersConfig,
+    TorchAutocastConfig,
+    ZeroConfig,
+    ZeroDPConfig,
+    did_you_mean,
+    semantic_problems,
+    show_value,
+)
+from zerodp.log import log_rank0, warn_once
+
+__all__ = [
+    "ActivationCheckpointingConfig", "AioConfig", "BF16Config", "BatchMath", "CheckpointConfig",
+    "CommsLoggerConfig", "ConfigError", "DataTypesConfig", "FP16Config", "FlopsProfilerConfig",
+    "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerConfig", "SchedulerConfig",
+    "TimersConfig", "TorchAutocastConfig", "ZeroConfig", "ZeroDPConfig", "add_config_arguments",
+    "batch_problems", "consistent_choices", "load_config", "resolve_batch",
+]
+
+TRAIN = "train_batch_size"
+MICRO = "train_micro_batch_size_per_gpu"
+ACCUM = "gradient_accumulation_steps"
+BATCH_KEYS = (TRAIN, MICRO, ACCUM)
+
+
+class ConfigError(ValueError):
+    """A DeepSpeed config zerodp cannot use. `problems` lists each one, naming its dotted key path.
+
+    str(err) is a header line ("3 problems in DeepSpeed config 'ds.json':") then one problem a line.
+    """
+
+    def __init__(self, problems: list[str] | str, source: str | None = None) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        count = len(self.problems)
+        where = f" {self.source}" if self.source else ""
+        header = f"{count} problem{'' if count == 1 else 's'} in DeepSpeed config{where}:"
+        return "\n".join([header, *(f"  - {problem}" for problem in self.problems)])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.problems, self.source))
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch math (pure: numbers in, numbers and sentences out)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchMath:
+    """train_batch_size = micro_batch_size x gradient_accumulation_steps x world_size, resolved."""
+
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    derived: tuple[str, ...]  # config keys whose value was derived, not given
+
+    def describe(self) -> str:
+        """One line showing every factor and which were derived."""
+        def part(key: str, value: int) -> str:
+            return f"{key} {value}{' (derived)' if key in self.derived else ''}"
+        return (f"{part(TRAIN, self.train_batch_size)} = {part(MICRO, self.micro_batch_size)} x "
+                f"{part(ACCUM, self.gradient_accumulation_steps)} x data-parallel world size "
+                f"{self.world_size}")
+
+
+def resolve_batch(train_batch_size: int | None, micro_batch_size: int | None,
+                  gradient_accumulation_steps: int | None, world_size: int) -> BatchMath:
+    """Derive the missing batch values exactly as DeepSpeed does, then check the batch rule.
+
+    Given two or three of train_batch_size, micro_batch_size (train_micro_batch_size_per_gpu)
+    and gradient_accumulation_steps (None = not given) and the data-parallel world size, derive
+    the rest with DeepSpeed's floor divisions and check train = micro x accumulation x world.
+    Raises ConfigError showing every factor and proposing consistent values.
+    """
+    batch, problems = batch_problems(train_batch_size, micro_batch_size,
+                                     gradient_accumulation_steps, world_size)
+    if problems or batch is None:
+        raise ConfigError(problems)
+    return batch
+
+
+def batch_problems(train_batch_size: int | None, micro_batch_size: int | None,
+                   gradient_accumulation_steps: int | None, world_size: int,
+                   world_size_source: str = "") -> tuple[BatchMath | None, list[str]]:
+    """`resolve_batch` returning (BatchMath or None, problems) instead of raising.
+
+    `world_size_source` ("from $WORLD_SIZE", ...) is shown next to the world size in messages.
+    """
+    given = {TRAIN: train_batch_size, MICRO: micro_batch_size, ACCUM: gradient_accumulation_steps}
+    problems = _batch_input_problems(given, world_size)
+    if problems:
+        return None, problems
+    if train_batch_size is None and micro_batch_size is None:
+        return None, [f"{TRAIN}, {MICRO}: neither is set; set at least one of them "
+                      f"({ACCUM} alone does not give a batch size)"]
+    tbs, micro, accum, how = _derive(train_batch_size, micro_batch_size, gradient_accumulation_steps,
+                                     world_size)
+    ws_text = f"world_size({world_size}{', ' + world_size_source if world_size_source else ''})"
+    problem = _batch_rule_problem(tbs, micro, accum, world_size, how, ws_text)
+    if problem:
+        return None, [problem]
+    return BatchMath(tbs, micro, accum, world_size, tuple(k for k in BATCH_KEYS if k in how)), []
+
+
+def _batch_input_problems(given: dict[str, int | None], world_size: int) -> list[str]:
+    problems = []
+    for key, value in given.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            problems.append(f"{key}: got {show_value(value)}; expected an integer > 0")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+        problems.append(f"world_size: got {show_value(world_size)}; expected the data-parallel world size, "
+                        "an integer > 0")
+    return problems
+
+
+def _derive(tbs: int | None, micro: int | None, accum: int | None,
+            ws: int) -> tuple[int, int, int, dict[str, str]]:
+    """DeepSpeed's derivation table (reference §2.1); `how` says how each derived value came about."""
+    how: dict[str, str] = {}
+    if tbs is not None and micro is not None and accum is None:
+        accum = tbs // micro // ws
+        how[ACCUM] = f"derived as {tbs} // {micro} // {ws}"
+    elif tbs is not None and accum is not None and micro is None:
+        micro = tbs // ws // accum
+        how[MICRO] = f"derived as {tbs} // {ws} // {accum}"
+    elif micro is not None and accum is not None and tbs is None:
+        tbs = micro * accum * ws
+        how[TRAIN] = f"derived as {micro} x {accum} x {ws}"
+    elif tbs is not None and micro is None:
+        accum, micro = 1, tbs // ws
+        how[ACCUM] = f"1 when only {TRAIN} is given"
+        how[MICRO] = f"derived as {tbs} // {ws}"
+    elif micro is not None and tbs is None:
+        accum, tbs = 1, micro * ws
+        how[ACCUM] = f"1 when only {MICRO} is given"
+        how[TRAIN] = f"derived as {micro} x {ws}"
+    return tbs, micro, accum, how  # type: ignore[return-value]
+
+
+def _batch_rule_problem(tbs: int, micro: int, accum: int, ws: int, how: dict[str, str],
+                        ws_text: str) -> str | None:
+    def factor(key: str, value: int) -> str:
+        return f"{key}({value}{', ' + how[key] if key in how else ''})"
+
+    choices = _describe_choices(tbs, micro, accum, ws)
+    if micro == 0:
+        return (f"{factor(MICRO, micro)} must be at least 1: {TRAIN}({tbs}) is smaller than "
+                f"{ws_text} x {ACCUM}({accum}) = {ws * accum}; consistent choices: {choices}")
+    if accum == 0:
+        return (f"{factor(ACCUM, accum)} must be at least 1: {TRAIN}({tbs}) is smaller than "
+                f"{MICRO}({micro}) x {ws_text} = {micro * ws}; consistent choices: {choices}")
+    product = micro * accum * ws
+    if tbs == product:
+        return None
+    text = (f"{factor(TRAIN, tbs)} != {factor(MICRO, micro)} x {factor(ACCUM, accum)} x {ws_text} "
+            f"= {product}; consistent choices: {choices}")
+    if tbs % (micro * accum) == 0 and tbs // (micro * accum) != ws:
+        text += (f". The values fit a data-parallel world size of {tbs // (micro * accum)}: "
+                 "if that is what you run, the world size is what is wrong")
+    return text
+
+
+def consistent_choices(tbs: int, micro: int, accum: int, ws: int) -> list[tuple[int, int, int]]:
+    """Up to three (train, micro, accumulation) triples that satisfy the batch rule at `ws`,
+    each close to the given values: keep micro and accumulation; keep micro and round the train
+    batch up; keep the train batch and pick the largest micro batch <= `micro` that divides it."""
+    micro, accum = max(micro, 1), max(accum, 1)
+    candidates = [(micro * accum * ws, micro, accum)]
+    up = -(-tbs // (micro * ws))
+    candidates.append((micro * up * ws, micro, up))
+    if tbs % ws == 0:
+        per_rank = tbs // ws
+        if per_rank % accum == 0:
+            candidates.append((tbs, per_rank // accum, accum))
+        divisor = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
+        candidates.append((tbs, divisor, per_rank // divisor))
+    down = tbs // (micro * ws)
+    if down >= 1:
+        candidates.append((micro * down * ws, micro, down))
+    unique = list(dict.fromkeys(c for c in candidates if c != (tbs, micro, accum)))
+    return unique[:3]
+
+
+def _describe_choices(tbs: int, micro: int, accum: int, ws: int) -> str:
+    current = (tbs, micro, accum)
+    texts = []
+    for choice in consistent_choices(tbs, micro, accum, ws):
+        changed = [f"{key}={new}" for key, old, new in zip(BATCH_KEYS, current, choice) if old != new]
+        texts.append(" with ".join(changed))
+    return ", or ".join(texts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _join(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+class _Report:
+    """Problems found so far, and the dotted key paths whose value could not be used."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.failed: set[str] = set()
+
+    def add(self, path: str, message: str, failed: bool = True) -> None:
+        self.problems.append(f"{path}: {message}")
+        if failed:
+            self.failed.add(path)
+
+    def usable(self, *paths: str) -> bool:
+        """False if any of `paths`, a key inside one, or a section holding one failed."""
+        return not any(f == p or f.startswith(p + ".") or p.startswith(f + ".")
+                       for f in self.failed for p in paths)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the input
+# ---------------------------------------------------------------------------------------------
+
+
+class _JsonObject(dict):
+    """A parsed JSON object that remembers which of its keys appeared more than once."""
+
+    duplicates: list[str]
+
+
+def _object_hook(pairs: list[tuple[str, Any]]) -> _JsonObject:
+    obj = _JsonObject()
+    obj.duplicates = [key for key, _ in pairs if sum(1 for k, _ in pairs if k == key) > 1]
+    obj.update(pairs)
+    return obj
+
+
+def _plain(value: Any, path: str, duplicates: list[str]) -> Any:
+    """Convert parsed JSON to plain dicts, collecting the dotted paths of duplicate keys."""
+    if isinstance(value, dict):
+        for key in dict.fromkeys(getattr(value, "duplicates", [])):
+            duplicates.append(_join(path, key))
+        return {k: _plain(v, _join(path, k), duplicates) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v, _join(path, i), duplicates) for i, v in enumerate(value)]
+    return value
+
+
+def _parse_json(text: str, source: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(text, object_pairs_hook=_object_hook)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}",
+                          source) from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"the top level must be a JSON object, got {show_value(parsed)}", source)
+    duplicates: list[str] = []
+    plain = _plain(parsed, "", duplicates)
+    if duplicates:
+        raise ConfigError([f"{key}: duplicate key; only the last value would count, keep one"
+                           for key in duplicates], source)
+    return plain
+
+
+def _decode_base64(text: str) -> str | None:
+    """DeepSpeed also accepts a url-safe base64 JSON config (its launcher passes them)."""
+    try:
+        decoded = base64.urlsafe_b64decode(text.encode("ascii")).decode("utf-8")
+    except (binascii.Error, UnicodeError, ValueError):
+        return None
+    return decoded if decoded.lstrip().startswith("{") else None
+
+
+def _read_file(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
+    source = f"'{os.fspath(path)}'"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        decoded = _decode_base64(path) if isinstance(path, str) else None
+        if decoded is None:
+            raise ConfigError(f"config file not found: '{os.fspath(path)}' (working directory "
+                              f"{os.getcwd()})", source) from None
+        return _parse_json(decoded, "(base64)"), "(base64)"
+    except (OSError, UnicodeError) as err:
+        raise ConfigError(f"cannot read config file '{os.fspath(path)}': {err}", source) from None
+    return _parse_json(text, source), source
+
+
+def _config_from_args(args: Any) -> str | None:
+    if args is None:
+        return None
+    new = getattr(args, "deepspeed_config", None)
+    old = getattr(args, "deepscale_config", None)
+    if old is not None:
+        warn_once("--deepscale_config is deprecated; use --deepspeed_config")
+        if new is not None:
+            raise ConfigError("args.deepspeed_config and args.deepscale_config are both set; "
+                              "keep --deepspeed_config only")
+    return new if new is not None else old
+
+
+def _read_input(config: Any, args: Any) -> tuple[dict[str, Any], str, ZeroDPConfig | None]:
+    """(raw dict, source label for messages, the ZeroDPConfig it came from if any)."""
+    from_args = _config_from_args(args)
+    if config is not None and from_args is not None:
+        raise ConfigError(f"a config was passed and args.deepspeed_config is also set "
+                          f"({from_args!r}); pass only one")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ConfigError("no config given: pass a dict, a path to a JSON file or a JSON string, "
+                          "or set args.deepspeed_config (--deepspeed_config PATH)")
+    if isinstance(config, ZeroDPConfig):
+        return _source_of(config), "(ZeroDPConfig)", config
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config)), "(dict)", None
+    if isinstance(config, str) and config.lstrip().startswith("{"):
+        return _parse_json(config, "(JSON string)"), "(JSON string)", None
+    if isinstance(config, (str, os.PathLike)):
+        raw, source = _read_file(config)
+        return raw, source, None
+    raise ConfigError(f"got a {type(config).__name__}; expected a dict, a path to a JSON file, "
+                      "a JSON string or a ZeroDPConfig")
+
+
+def _source_of(config: ZeroDPConfig) -> dict[str, Any]:
+    if config._source is not None:
+        return copy.deepcopy(config._source)
+    return config.model_dump(exclude_unset=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Walking the raw dict against the schema
+# ---------------------------------------------------------------------------------------------
+
+# Keys whose value "auto" is a real DeepSpeed value, not a Hugging Face placeholder.
+_AUTO_IS_A_VALUE = frozenset({"data_types.keep_in_fp32_modules"})
+# Free-form sections zerodp never reads (unsupported features): not searched for "auto".
+_UNREAD_SECTIONS = frozenset({
+    "pipeline", "autotuning", "tensorboard", "wandb", "csv_monitor", "comet", "hybrid_engine",
+    "data_efficiency", "compile", "tensor_parallel", "expert_parallel", "weight_quantization",
+    "datastates", "zero_optimization.zenflow", "checkpoint.writer",
+})
+
+
+_AUTO_PROBLEM = ('"auto" is a placeholder that the Hugging Face integration (Trainer / Accelerate) '
+                 "fills in; it reached zerodp unresolved, so set a value")
+
+
+@functools.cache
+def _keys_of(cls: type[Section]) -> dict[str, str]:
+    """Every key accepted in a section (field names and their aliases) -> field name."""
+    keys: dict[str, str] = {}
+    for name, field in cls.model_fields.items():
+        keys[name] = name
+        for alias in getattr(field.validation_alias, "choices", []):
+            keys[str(alias)] = name
+    return keys
+
+
+@functools.cache
+def _section_type(cls: type[Section], field: str) -> type[Section] | None:
+    """The Section class a field holds (unwrapping Optional), or None for plain values."""
+    annotation = cls.model_fields[field].annotation
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, Section):
+            return candidate
+    return None
+
+
+@functools.cache
+def _all_key_paths() -> tuple[str, ...]:
+    paths: list[str] = []
+
+    def visit(cls: type[Section], prefix: str) -> None:
+        for key, field in _keys_of(cls).items():
+            paths.append(_join(prefix, key))
+            sub = _section_type(cls, field)
+            if sub is not None:
+                visit(sub, _join(prefix, key))
+
+    visit(ZeroDPConfig, "")
+    return tuple(paths)
+
+
+def _unknown_key_message(key: str, path: str, here: list[str]) -> str:
+    """Did-you-mean at the same level first, else a key of the same name elsewhere in the schema."""
+    match = did_you_mean(key, here)
+    if match:
+        return f"unknown key; did you mean '{match}'?"
+    parent = path.rpartition(".")[0]
+    elsewhere: dict[str, list[str]] = {}
+    for full in _all_key_paths():
+        if full.rpartition(".")[0] != parent:
+            elsewhere.setdefault(full.rpartition(".")[2], []).append(full)
+    match = did_you_mean(key, list(elsewhere))
+    if match and len(elsewhere[match]) == 1:
+        return f"unknown key here; did you mean '{elsewhere[match][0]}'?"
+    return "unknown key (not a DeepSpeed config key zerodp knows)"
+
+
+def _drop_autos(value: Any, path: str, report: _Report) -> Any:
+    """Report "auto" anywhere inside a free-form dict or list, dropping the keys that hold one."""
+    if isinstance(value, dict):
+        kept = {}
+        for key, item in value.items():
+            where = _join(path, key)
+            if _holds_auto(item):
+                _report_autos(item, where, report)
+            else:
+                kept[key] = item
+        return kept
+    return value
+
+
+def _holds_auto(value: Any) -> bool:
+    if value == "auto":
+        return True
+    if isinstance(value, dict):
+        return any(_holds_auto(v) for v in value.values())
+    return isinstance(value, list) and any(_holds_auto(v) for v in value)
+
+
+def _report_autos(value: Any, path: str, report: _Report) -> None:
+    if value == "auto":
+        report.add(path, _AUTO_PROBLEM)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _report_autos(item, _join(path, key), report)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _report_autos(item, _join(path, index), report)
+
+
+def _clean_section(cls: type[Section], raw: dict[str, Any], path: str, report: _Report) -> dict[str, Any]:
+    """`raw` with removed, "auto", unknown and duplicate-alias keys reported and dropped,
+    deprecated names renamed, and sub-sections cleaned recursively."""
+    raw = _LEGACY_UPGRADES.get(cls, lambda r, p, rep: r)(raw, path, report)
+    keys = _keys_of(cls)
+    seen: dict[str, str] = {}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        where = _join(path, str(key))
+        if not isinstance(key, str):
+            report.add(where, "config keys must be strings", failed=False)
+        elif key in cls.removed_keys:
+            feature, action = cls.removed_keys[key]
+            report.add(where, f"DeepSpeed 0.19 removed this key ({feature}); {action}", failed=False)
+        elif value == "auto" and where not in _AUTO_IS_A_VALUE:
+            report.add(where, _AUTO_PROBLEM)
+        else:
+            key = _rename(cls, key, path)
+            if key not in keys:
+                report.add(where, _unknown_key_message(key, where, list(keys)), failed=False)
+            elif keys[key] in seen:
+                report.add(where, f"sets the same option as '{_join(path, seen[keys[key]])}'; keep one")
+            else:
+                seen[keys[key]] = key
+                out[key] = _clean_value(cls, keys[key], value, _join(path, key), report)
+    return out
+
+
+def _rename(cls: type[Section], key: str, path: str) -> str:
+    new = cls.renamed_keys.get(key)
+    if new is None:
+        return key
+    warn_once(f"DeepSpeed config key '{_join(path, key)}' is deprecated; use '{_join(path, new)}'")
+    return new
+
+
+def _clean_value(cls: type[Section], field: str, value: Any, path: str, report: _Report) -> Any:
+    sub = _section_type(cls, field)
+    if sub is not None and isinstance(value, dict):
+        return _clean_section(sub, value, path, report)
+    if path in _UNREAD_SECTIONS or path in _AUTO_IS_A_VALUE:
+        return value
+    return _drop_autos(value, path, report)
+
+
+def _upgrade_top(raw: dict[str, Any], path: str, report: _Report) -> dict[str, Any]:
+    """The old `"zero_optimization": true` form (= stage 1, reading top-level `allgather_size`)."""
+    raw = dict(raw)
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, bool):
+        warn_once('"zero_optimization": true/false is deprecated; use "zero_optimization": {"stage": 1}')
+        section: dict[str, Any] = {"stage": 1 if zero else 0}
+        if zero and "allgather_size" in raw:
+            section["allgather_bucket_size"] = raw.pop("allgather_size")
+        raw["zero_optimization"] = section
+    if "allgather_size" in raw:
+        raw.pop("allgather_size")
+        report.add("allgather_size", 'only read with the old form "zero_optimization": true; '
+                   "set zero_optimization.allgather_bucket_size instead", failed=False)
+    return raw
+
+
+def _upgrade_zero(raw: dict[str, Any], path: str, report: _Report) -> dict[str, Any]:
+    """cpu_offload / cpu_offload_param / cpu_offload_use_pin_memory -> the offload sections."""
+    raw = dict(raw)
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if old in raw:
+            _upgrade_cpu_offload(raw, path, old, new, report)
+    if "cpu_offload_use_pin_memory" in raw:
+        where = _join(path, "cpu_offload_use_pin_memory")
+        value = raw.pop("cpu_offload_use_pin_memory")
+        if not isinstance(value, bool):
+            report.add(where, f"got {show_value(value)}; expected true or false")
+            return raw
+        warn_once(f"DeepSpeed config key '{where}' is deprecated; set pin_memory in "
+                  "offload_optimizer / offload_param")
+        # DeepSpeed 0.19.8 only warns about this key and ignores its value; zerodp applies it
+        # to the offload sections that do not set pin_memory themselves (the user's evident intent).
+        for new in ("offload_optimizer", "offload_param"):
+            if isinstance(raw.get(new), dict) and "pin_memory" not in raw[new]:
+                raw[new] = {**raw[new], "pin_memory": value}
+    return raw
+
+
+def _upgrade_cpu_offload(raw: dict[str, Any], path: str, old: str, new: str, report: _Report) -> None:
+    where = _join(path, old)
+    value = raw.pop(old)
+    if not isinstance(value, bool):
+        report.add(where, f"got {show_value(value)}; expected true or false")
+    elif new in raw:
+        report.add(where, f"deprecated and given together with '{_join(path, new)}'; keep only {new}")
+    else:
+        warn_once(f"DeepSpeed config key '{where}' is deprecated; use "
+                  f"'{_join(path, new)}': {{\"device\": \"cpu\"}}")
+        if value:
+            raw[new] = {"device": "cpu"}
+
+
+_LEGACY_UPGRADES: dict[type[Section], Callable[[dict[str, Any], str, _Report], dict[str, Any]]] = {
+    ZeroDPConfig: _upgrade_top,
+    ZeroConfig: _upgrade_zero,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Pydantic validation, translated
+# ---------------------------------------------------------------------------------------------
+
+_EXPECTED = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "a whole number",
+    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
+    "bool_type": "true or false", "bool_parsing": "true or false", "string_type": "a string",
+    "list_type": "a list", "dict_type": "a JSON object",
+    "model_type": "a JSON object (a section of keys)",
+    "model_attributes_type": "a JSON object (a section of keys)",
+}
+_COMPARISONS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="),
+                "less_than": ("lt", "<"), "less_than_equal": ("le", "<=")}
+
+
+def _loc_path(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        path = _join(path, part)
+    return path
+
+
+def _expected(kind: str, ctx: dict[str, Any], message: str) -> str:
+    if kind in _COMPARISONS:
+        key, sign = _COMPARISONS[kind]
+        return f"a value {sign} {ctx[key]}"
+    if kind == "literal_error":
+        return f"one of {ctx['expected']}"
+    return _EXPECTED.get(kind, message)
+
+
+def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
+    """(dotted key path, message) for one pydantic error: the value found and what was expected."""
+    path = _loc_path(error["loc"])
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind == "missing":
+        return path, "missing; this key is required"
+    found = show_value(error["input"])
+    if kind == "value_error":
+        return path, f"got {found}; {ctx.get('error', error['msg'])}"
+    expected = _expected(kind, ctx, error["msg"])
+    if isinstance(error["input"], bool) and kind in ("int_type", "float_type"):
+        expected += ", not a boolean"
+    return path, f"got {found}; expected {expected}"
+
+
+def _drop_at(data: dict[str, Any], loc: tuple[Any, ...]) -> bool:
+    """Delete the deepest dict key along `loc` that exists; False if nothing could be deleted."""
+    node: Any = data
+    last: tuple[dict[str, Any], str] | None = None
+    for part in loc:
+        if not isinstance(node, dict) or part not in node:
+            break
+        last = (node, part)
+        node = node[part]
+    if last is None:
+        return False
+    del last[0][last[1]]
+    return True
+
+
+def _validate(cleaned: dict[str, Any], report: _Report) -> ZeroDPConfig:
+    """Validate, dropping each failing key and retrying so that later checks still get a model."""
+    data = copy.deepcopy(cleaned)
+    for _ in range(8):
+        try:
+            return ZeroDPConfig.model_validate(data)
+        except ValidationError as err:
+            dropped = False
+            for error in err.errors():
+                report.add(*_pydantic_problem(error))
+                dropped = _drop_at(data, error["loc"]) or dropped
+            if not dropped:
+                break
+    return ZeroDPConfig()
+
+
+# ---------------------------------------------------------------------------------------------
+# World size
+# ---------------------------------------------------------------------------------------------
+
+_UNKNOWN_WORLD_SIZE = (
+    "data-parallel world size: unknown (torch.distributed is not initialised and $WORLD_SIZE is "
+    "not set). zerodp never assumes 1, because a wrong world size silently changes the batch "
+    "math (DeepSpeed #3228, #4703). Pass load_config(..., world_size=N), initialise "
+    "torch.distributed first, or launch with `zerodp run` / torchrun, which set WORLD_SIZE")
+
+
+def _dist_world_size() -> int | None:
+    """torch.distributed's world size if it is initialised (without importing torch for it)."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_world_size()
+
+
+def _resolve_world_size(world_size: Any, previous: int | None) -> tuple[int | None, str, list[str]]:
+    """(world size, where it came from, problems): argument, torch.distributed, $WORLD_SIZE, or
+    the world size an already-resolved ZeroDPConfig was built with."""
+    if world_size is not None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            return None, "", [f"world_size argument: got {show_value(world_size)}; expected the "
+                              "data-parallel world size, an integer > 0"]
+        return world_size, "", []
+    from_dist = _dist_world_size()
+    if from_dist is not None:
+        return from_dist, "from torch.distributed", []
+    env = os.environ.get("WORLD_SIZE")
+    if env is not None:
+        if not env.strip().isdigit() or int(env) < 1:
+            return None, "", [f"$WORLD_SIZE: got {env!r}; expected an integer > 0"]
+        return int(env), "from $WORLD_SIZE", []
+    if previous is not None:
+        return previous, "as resolved before", []
+    return None, "", [_UNKNOWN_WORLD_SIZE]
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def load_config(config: Any = None, *, args: Any = None, world_size: int | None = None) -> ZeroDPConfig:
+    """Read, check and resolve a DeepSpeed config.
+
+    Args:
+        config: a dict; a path (str or os.PathLike) to a JSON file; a JSON string (starting with
+            "{"); or a ZeroDPConfig (re-resolved, e.g. at another world size). Default None: use
+            `args.deepspeed_config` (or the deprecated `args.deepscale_config`).
+        args: an argparse namespace from a parser set up with `add_config_arguments`.
+        world_size: the data-parallel world size for the batch rule. Default None: torch.distributed's
+            world size if initialised, else $WORLD_SIZE; if neither, a ConfigError (never 1 silently).
+
+    Returns the validated ZeroDPConfig with train_batch_size, train_micro_batch_size_per_gpu and
+    gradient_accumulation_steps resolved, plus `world_size` and `batch`.
+    Raises ConfigError listing every problem found (unknown keys with did-you-mean, types and
+    ranges, removed keys, "auto", unsupported features, cross-field rules, the batch rule).
+    """
+    raw, source, previous = _read_input(config, args)
+    report = _Report()
+    cleaned = _clean_section(ZeroDPConfig, raw, "", report)
+    cfg = _validate(cleaned, report)
+    report.problems.extend(semantic_problems(cfg, report.usable))
+    ws, ws_source, ws_problems = _resolve_world_size(world_size, previous._world_size if previous else None)
+    report.problems.extend(ws_problems)
+    batch = None
+    if ws is not None and report.usable(*BATCH_KEYS):
+        batch, batch_issues = batch_problems(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                                             cfg.gradient_accumulation_steps, ws, ws_source)
+        report.problems.extend(batch_issues)
+    if report.problems or batch is None:
+        raise ConfigError(report.problems or ["batch sizes could not be resolved"], source)
+    return _finish(cfg, batch, raw)
+
+
+def _finish(cfg: ZeroDPConfig, batch: BatchMath, raw: dict[str, Any]) -> ZeroDPConfig:
+    cfg.train_batch_size = batch.train_batch_size
+    cfg.train_micro_batch_size_per_gpu = batch.micro_batch_size
+    cfg.gradient_accumulation_steps = batch.gradient_accumulation_steps
+    cfg._world_size = batch.world_size
+    cfg._batch = batch
+    cfg._source = copy.deepcopy(raw)
+    log_rank0("zerodp config: %s", batch.describe())
+    return cfg
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's command-line flags to `parser` and return it.
+
+    --deepspeed (flag), --deepspeed_config PATH, and the deprecated --deepscale /
+    --deepscale_config. `load_config(args=parser.parse_args())` reads the config they name.
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable zerodp / DeepSpeed (helper flag for scripts; zerodp does not read it)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="Path to the DeepSpeed JSON config file")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated: use --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="Deprecated: use --deepspeed_config")
+    return parser
