@@ -1,0 +1,44 @@
+"""Small deterministic models and data for the distributed tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TiedMLP(nn.Module):
+    """Embedding -> 2 hidden layers -> head tied to the embedding; a LayerNorm gives no-decay params."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied, as in GPT-2
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        h = h + self.fc2(torch.nn.functional.gelu(self.fc1(h)))
+        logits = self.head(self.norm(h))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def make_model(seed: int = 0, **kwargs) -> TiedMLP:
+    torch.manual_seed(seed)
+    return TiedMLP(**kwargs)
+
+
+def two_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:
+    """The usual decay / no-decay split: matrices decay, biases and norms do not."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-3}]
+
+
+def batch(rank: int, step: int, micro: int, micro_batch: int = 4, seq: int = 8, vocab: int = 32):
+    """This rank's micro-batch (different on every rank, step and micro-step)."""
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    idx = torch.randint(0, vocab, (micro_batch, seq), generator=g)
+    return idx, torch.roll(idx, 1, dims=1)

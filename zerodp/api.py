@@ -1,0 +1,111 @@
+"""`zerodp.initialize`: DeepSpeed's entry point, with every user error raised before any collective."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from zerodp import comm
+from zerodp.config import ZeroDPConfig, load_config
+from zerodp.engine import Engine
+from zerodp.log import logger
+from zerodp.optim import optimizer_factory, param_groups_from
+from zerodp.precision import DtypePolicy
+from zerodp.zero import strategy_class
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Iterable | None = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+) -> tuple[Engine, torch.optim.Optimizer, Any, Any]:
+    """Wrap `model` for ZeRO training; returns (engine, optimizer, training_dataloader, lr_scheduler).
+
+    Args (DeepSpeed's signature):
+        model: the torch.nn.Module to train.
+        config: a path, dict, JSON string or ZeroDPConfig (or `args.deepspeed_config`;
+            `config_params` is the legacy name).
+        optimizer: None (built from the config's "optimizer"), a torch.optim.Optimizer, or a
+            callable(param_groups) -> Optimizer.
+        model_parameters: parameters or param-group dicts (default: the model's trainable ones).
+        lr_scheduler: None (from the config's "scheduler"), a scheduler, or callable(optimizer).
+        training_data: a Dataset; the third return value is then a DataLoader with a
+            DistributedSampler and the micro batch size (None otherwise).
+        dist_init_required: False to require an existing process group.
+    The config is validated before the process group is used, so a bad config fails on every
+    rank with the same message instead of hanging the others.
+    """
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError("model/sequence parallelism (mpu=, mesh_param=) is not supported: zerodp is data-parallel only")
+    if config is not None and config_params is not None:
+        raise ValueError("pass the config once: config= or config_params=, not both")
+    cfg = load_config(config if config is not None else config_params, args=args, world_size=_known_world_size())
+    policy = DtypePolicy.from_config(cfg)
+    strategy_cls = strategy_class(cfg)
+    groups = param_groups_from(model, model_parameters, optimizer)
+    if dist_init_required is False and not comm.is_initialized():
+        raise ValueError("dist_init_required=False but torch.distributed is not initialised")
+    comm.init_distributed()
+    device = comm.device_for_backend()
+    make_optimizer = optimizer_factory(optimizer, cfg.optimizer, device)
+    _check_ranks_agree(model, cfg, device)
+    strategy = strategy_cls(cfg, policy, device)
+    strategy.wrap(model, groups, make_optimizer)
+    scheduler = _make_scheduler(lr_scheduler, cfg, strategy.optimizer)
+    engine = Engine(model, cfg, strategy, scheduler, training_data, collate_fn)
+    comm.ledger.end_init()
+    logger.info("zerodp: stage %d, %s, %s", cfg.zero_optimization.stage, cfg.precision, cfg.batch.describe())
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _known_world_size() -> int | None:
+    """The data-parallel size if it is known without guessing: the process group's, or 1 for a
+    script run without a launcher (init_distributed then makes a 1-rank group). None lets the
+    config read $WORLD_SIZE."""
+    if comm.is_initialized():
+        return comm.get_world_size()
+    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+        return 1
+    return None
+
+
+def _make_scheduler(lr_scheduler: Any, cfg: ZeroDPConfig, optimizer: torch.optim.Optimizer) -> Any:
+    if lr_scheduler is not None:
+        # An instance keeps working: the optimizer object is the user's own (re-pointed in place).
+        return lr_scheduler(optimizer) if callable(lr_scheduler) else lr_scheduler
+    if cfg.scheduler is None:
+        return None
+    from zerodp.lr_schedules import build_scheduler
+
+    return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), optimizer)
+
+
+def _check_ranks_agree(model: nn.Module, cfg: ZeroDPConfig, device: torch.device) -> None:
+    """First collective: every rank must have the same config and model shapes, else every rank
+    raises naming the ranks that differ (instead of hanging or silently diverging later)."""
+    if comm.get_world_size() == 1:
+        return
+    shapes = ";".join(f"{n}:{tuple(p.shape)}:{p.requires_grad}" for n, p in model.named_parameters())
+    row = torch.tensor([zlib.crc32(cfg.model_dump_json().encode()), zlib.crc32(shapes.encode())],
+                       dtype=torch.int64, device=device)
+    rows = comm.all_gather_rows(row).tolist()
+    for what, col in (("config", 0), ("model parameters (names, shapes, requires_grad)", 1)):
+        differ = [r for r, got in enumerate(rows) if got[col] != rows[0][col]]
+        if differ:
+            raise ValueError(f"ranks {differ} have a different {what} from rank 0; every rank must build the same")

@@ -1,0 +1,113 @@
+"""The `zerodp` command: run, config check, demo.
+
+    zerodp demo                                   # train a small GPT on 2 CPU processes
+    zerodp config check ds.json --world-size 8    # validate a DeepSpeed config, show the batch math
+    zerodp run --nproc-per-node 2 train.py ...    # torchrun with zerodp's defaults
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `zerodp` console script; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    _setup_logging()
+    if argv[:1] == ["run"]:  # everything after `run` belongs to torchrun and the script
+        return _cmd_run(argv[1:])
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[zerodp] %(message)s"))
+    log = logging.getLogger("zerodp")
+    if not log.handlers:
+        log.addHandler(handler)
+    log.setLevel(os.environ.get("ZERODP_LOG_LEVEL", "INFO"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zerodp", description="ZeRO training engine for PyTorch (DeepSpeed-compatible).")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    sub.add_parser("run", help="launch a training script on N processes (torchrun's options; see `zerodp run --help`)")
+
+    config = sub.add_parser("config", help="check a DeepSpeed config").add_subparsers(required=True, metavar="ACTION")
+    check = config.add_parser("check", help="validate a config and print it resolved, with the batch math")
+    check.add_argument("config", help="path to a DeepSpeed JSON config")
+    check.add_argument("--world-size", type=int, default=None,
+                       help="data-parallel world size (number of processes); default: $WORLD_SIZE")
+    check.set_defaults(func=_cmd_config_check)
+
+    demo = sub.add_parser("demo", help="train a small GPT on a synthetic task, then show the memory ledger")
+    demo.add_argument("--nproc", type=int, default=2, help="processes (ranks) to launch (default 2)")
+    demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's)")
+    demo.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage (default 0)")
+    demo.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="precision (default fp32)")
+    demo.add_argument("--config", default=None, help="a DeepSpeed JSON config to start from (flags override it)")
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def _cmd_run(argv: list[str]) -> int:
+    from zerodp.launcher import launch
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_run_help())
+        return EXIT_OK if argv else EXIT_USAGE
+    return launch(argv)
+
+
+def _run_help() -> str:
+    from zerodp import launcher
+
+    return "usage: zerodp run [torchrun options] SCRIPT [script args]\n" + (launcher.__doc__ or "")
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    from zerodp.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, world_size=args.world_size)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return EXIT_FAILED
+    print(json.dumps(cfg.model_dump(mode="json", exclude_none=True), indent=2))
+    print(f"\nbatch: {cfg.batch.describe()}")
+    print(f"precision: {cfg.precision}, ZeRO stage {cfg.zero_optimization.stage}")
+    print("config OK")
+    return EXIT_OK
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from zerodp.config import ConfigError, load_config
+    from zerodp.demo.train import demo_config
+    from zerodp.zero import strategy_class
+
+    try:
+        config = demo_config(args.config, stage=args.stage, dtype=args.dtype)
+        strategy_class(load_config(config, world_size=args.nproc))  # fail here, not in N tracebacks
+    except (ConfigError, NotImplementedError, OSError) as err:
+        print(f"zerodp demo: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    with tempfile.TemporaryDirectory(prefix="zerodp-demo-") as tmp:
+        path = os.path.join(tmp, "ds_config.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        argv = ["--nproc-per-node", str(args.nproc), "-m", "zerodp.demo.train", "--config", path]
+        if args.steps is not None:
+            argv += ["--steps", str(args.steps)]
+        return _cmd_run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

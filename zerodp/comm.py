@@ -1,0 +1,234 @@
+"""The only module that calls torch.distributed: process-group setup and every collective.
+
+Each collective is recorded in a `CommLedger` (op, dtype, elements, bytes) so "how much did this
+step communicate" is a query. Volumes follow the accounting of design.md §4, per rank, in elements
+of the collective's dtype: an all-reduce of Ψ elements counts 2Ψ (a reduce-scatter Ψ plus an
+all-gather Ψ, which is what a bandwidth-optimal all-reduce moves), a reduce-scatter counts its
+input, an all-gather its output, a broadcast its tensor.
+
+Launch recipe (what `zerodp run` does for you):
+    torchrun --standalone --nproc-per-node 2 train.py   # then zerodp.init_distributed() in train.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from zerodp.log import logger
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Collective timeout (DeepSpeed's 10 minutes); override with $ZERODP_TIMEOUT (seconds)."""
+
+# Elements moved per element of the tensor handed to the collective (design.md §4).
+_TRAFFIC_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+
+
+@dataclass
+class CommRecord:
+    """Totals for one (op, dtype) pair."""
+
+    calls: int = 0
+    numel: int = 0  # elements counted with the op's traffic factor
+    bytes: int = 0
+
+
+@dataclass
+class CommLedger:
+    """Counts collectives per optimizer step. `phase` is "init", then "step" after training starts.
+
+    The engine calls `end_step()` at each accumulation boundary; `last_step` then holds the
+    finished step's records and `current` starts empty.
+    """
+
+    current: dict[tuple[str, str], CommRecord] = field(default_factory=lambda: defaultdict(CommRecord))
+    last_step: dict[tuple[str, str], CommRecord] = field(default_factory=dict)
+    init: dict[tuple[str, str], CommRecord] = field(default_factory=dict)
+    num_steps: int = 0
+
+    def record(self, op: str, tensor: torch.Tensor) -> None:
+        """Count one collective of `op` on `tensor` (input for reduce ops, output for gathers)."""
+        entry = self.current[(op, str(tensor.dtype).removeprefix("torch."))]
+        entry.calls += 1
+        numel = tensor.numel() * _TRAFFIC_FACTOR[op]
+        entry.numel += numel
+        entry.bytes += numel * tensor.element_size()
+
+    def end_init(self) -> None:
+        """Close the start-up phase (parameter broadcast, rank checks)."""
+        self.init = dict(self.current)
+        self.current = defaultdict(CommRecord)
+
+    def end_step(self) -> None:
+        """Close one optimizer step."""
+        self.last_step = dict(self.current)
+        self.current = defaultdict(CommRecord)
+        self.num_steps += 1
+
+
+ledger = CommLedger()
+"""This process's ledger. One process = one rank, so one ledger per rank."""
+
+
+def comm_report(records: dict[tuple[str, str], CommRecord]) -> dict:
+    """Plain-data view of a ledger phase: per op/dtype calls, elements and bytes, plus totals."""
+    ops = {f"{op}[{dtype}]": vars(rec).copy() for (op, dtype), rec in sorted(records.items())}
+    return {
+        "ops": ops,
+        "total_numel": sum(r.numel for r in records.values()),
+        "total_bytes": sum(r.bytes for r in records.values()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# process group
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The timeout given to every collective: $ZERODP_TIMEOUT seconds, default 600."""
+    return datetime.timedelta(seconds=float(os.environ.get("ZERODP_TIMEOUT", DEFAULT_TIMEOUT_S)))
+
+
+def default_backend() -> str:
+    """nccl when CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+    **_deepspeed_only: object,
+) -> None:
+    """Initialise torch.distributed if it is not yet (DeepSpeed's `init_distributed`).
+
+    Args:
+        dist_backend: "nccl" or "gloo"; default nccl on CUDA, gloo on CPU.
+        timeout: collective timeout; default $ZERODP_TIMEOUT or 600 s.
+        init_method: torch's init_method; default env:// (set by torchrun / `zerodp run`).
+        rank, world_size: explicit values; default from $RANK / $WORLD_SIZE.
+    A script started without a launcher (no $RANK/$WORLD_SIZE) becomes a 1-rank job on a free
+    local port. DeepSpeed-only arguments (auto_mpi_discovery, distributed_port, verbose, ...) are
+    accepted and ignored.
+    """
+    if dist.is_initialized():
+        return
+    if rank < 0 and world_size < 0 and "RANK" not in os.environ and init_method is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        rank, world_size = 0, 1
+        logger.info("no launcher environment ($RANK unset): starting a 1-rank process group")
+    backend = dist_backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        timeout=timeout or collective_timeout(),
+        rank=rank,
+        world_size=world_size,
+    )
+
+
+def is_initialized() -> bool:
+    """True when torch.distributed has a default process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """Rank in `group` (default: the world); 0 without a process group."""
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Size of `group` (default: the world); 1 without a process group."""
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def device_for_backend() -> torch.device:
+    """The device tensors must live on for the default group's collectives."""
+    if is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# collectives (every call is recorded in `ledger`)
+
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); torch 2.4 has only the old.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """In-place all-reduce of `tensor` over `group`."""
+    ledger.record("all_reduce", tensor)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """In-place broadcast of `tensor` from global rank `src`."""
+    ledger.record("broadcast", tensor)
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Gather every rank's `input` into `output` (rank-major, world x input.numel())."""
+    ledger.record("all_gather", output)
+    return _all_gather_single(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Reduce `input` over ranks and keep this rank's slice in `output`."""
+    ledger.record("reduce_scatter", input)
+    return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Gather one small 1-D int64 `row` from every rank into a (world, len) tensor (rank checks)."""
+    out = torch.empty(get_world_size(group), row.numel(), dtype=row.dtype, device=row.device)
+    all_gather_into_tensor(out.view(-1), row, group=group)
+    return out
+
+
+def any_rank_true(flag: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
+    """True when `flag` (a 0-dim tensor, nonzero = true) is set on any rank: one MAX all-reduce."""
+    flag = flag.detach().to(torch.float32).reshape(1).clone()
+    all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item() > 0)
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Block until every rank in `group` reaches this point."""
+    if is_initialized():
+        dist.barrier(group=group)

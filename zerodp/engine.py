@@ -1,0 +1,250 @@
+"""The Engine: forward / backward / step with accumulation, loss scaling, clipping and the schedule.
+
+Where tensors live and how they move is the strategy's business (zero/); the engine owns the
+training loop's bookkeeping and never branches on the ZeRO stage.
+
+    engine, optimizer, loader, scheduler = zerodp.initialize(model=model, config="ds.json")
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)   # loss / accumulation steps * loss scale; reduces at the boundary
+        engine.step()           # every micro-batch; optimizer + scheduler only at the boundary
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from zerodp import comm
+from zerodp.config import ZeroDPConfig
+from zerodp.log import log_rank0
+from zerodp.precision import make_loss_scaler, overflow_message
+from zerodp.timers import Timers
+from zerodp.zero.base import Strategy
+
+
+class Engine(nn.Module):
+    """DeepSpeed's engine API over a zerodp Strategy. Build it with `zerodp.initialize`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ZeroDPConfig,
+        strategy: Strategy,
+        lr_scheduler: Any = None,
+        training_data: Dataset | None = None,
+        collate_fn: Any = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.strategy = strategy
+        self.optimizer = strategy.optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = make_loss_scaler(config.fp16)
+        self.check_overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
+        self.timers = Timers(synchronize=config.wall_clock_breakdown and strategy.device.type == "cuda")
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._global_grad_norm: float | None = None
+        self._boundary_override: bool | None = None
+        self._no_sync = False
+        self._last_loss: torch.Tensor | None = None
+        self._step_started = time.perf_counter()
+        self.last_metrics: dict[str, Any] = {}
+        self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
+
+    # --- DeepSpeed's accessors ----------------------------------------------------------------
+
+    @property
+    def global_rank(self) -> int:
+        return comm.get_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def world_size(self) -> int:
+        return comm.get_world_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def get_lr(self) -> list[float]:
+        """Current learning rate of each optimizer param group."""
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Global gradient norm (unscaled, before clipping) of the last applied step."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary step was skipped (inf/nan gradients)."""
+        return self._step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True on the micro-batch whose backward completes an optimizer step."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        if not self.config.managed_gradient_accumulation:
+            return True
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Force the boundary on or off (None: back to counting micro-batches)."""
+        self._boundary_override = is_boundary
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside accumulates without communicating; step() inside is an error."""
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module (inputs cast to fp16 when `fp16.auto_cast`)."""
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = _cast_floats((args, kwargs), torch.float16)
+        with self.timers("fwd"):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of `loss` / gradient_accumulation_steps x loss scale; returns the loss divided by
+        the accumulation steps (DeepSpeed's return value). Reduces gradients at the boundary."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
+        boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
+        gas = self.config.gradient_accumulation_steps
+        scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
+        self._last_loss = loss.detach()
+        with self.timers("bwd"):
+            self.strategy.before_backward(boundary)
+            to_backward = scaled * self.loss_scaler.loss_scale if self.loss_scaler.loss_scale != 1.0 else scaled
+            to_backward.backward(retain_graph=retain_graph)
+            self.strategy.after_backward(boundary)
+        return scaled
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Call after every backward: at the accumulation boundary unscale, clip, run the optimizer and
+        the scheduler, zero gradients; elsewhere only count the micro-batch."""
+        if self._no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): leave no_sync before the boundary step")
+        if self.is_gradient_accumulation_boundary():
+            with self.timers("step"):
+                self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        overflow = self.check_overflow and self.strategy.found_overflow()
+        scale = self.loss_scaler.loss_scale
+        if overflow:
+            name = self.strategy.first_overflow_name()
+            self.loss_scaler.update(True)  # raises LossScaleAtMinimumError at the minimum
+            self.skipped_steps += 1
+            log_rank0(overflow_message(self.global_steps + 1, scale, self.loss_scaler, name), level=logging.WARNING)
+        else:
+            self._global_grad_norm = self.strategy.step(scale, self.config.gradient_clipping)
+            self.loss_scaler.update(False)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self._step_applied = not overflow
+        self.strategy.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+        comm.ledger.end_step()
+        self._record_metrics(scale)
+
+    def _record_metrics(self, scale: float) -> None:
+        now = time.perf_counter()
+        self.last_metrics = {
+            "step": self.global_steps,
+            "loss": float(self._last_loss) if self._last_loss is not None else None,
+            "grad_norm": self._global_grad_norm if self._step_applied else None,
+            "lr": self.get_lr()[0],
+            "loss_scale": scale if self.config.fp16.enabled else None,
+            "step_time_s": now - self._step_started,
+            "samples_per_s": self.config.train_batch_size / max(now - self._step_started, 1e-9),
+        }
+        self._step_started = now
+        every = self.config.steps_per_print
+        if every and self.global_steps % every == 0:
+            from zerodp.metrics import format_step
+
+            log_rank0(format_step(self.last_metrics))
+            if self.config.wall_clock_breakdown:
+                log_rank0("time (ms): %s", " | ".join(f"{k} {v * 1e3:.1f}" for k, v in self.timers.take().items()))
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (the boundary step already does this)."""
+        self.strategy.zero_grad()
+
+    # --- data and reports ---------------------------------------------------------------------
+
+    def deepspeed_io(self, dataset: Dataset, batch_size: int | None = None, collate_fn: Any = None,
+                     num_local_io_workers: int = 0) -> DataLoader:
+        """A DataLoader giving this rank its share of `dataset`, `batch_size` = the micro batch."""
+        sampler = DistributedSampler(
+            dataset, num_replicas=comm.get_world_size(), rank=comm.get_rank(),
+            shuffle=True, drop_last=self.config.dataloader_drop_last,
+        )
+        return DataLoader(
+            dataset, batch_size=batch_size or self.config.train_micro_batch_size_per_gpu, sampler=sampler,
+            collate_fn=collate_fn, num_workers=num_local_io_workers, drop_last=self.config.dataloader_drop_last,
+        )
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds, by category and tier (see zerodp.memory), plus transient peaks."""
+        return self.strategy.ledger().report()
+
+    def comm_report(self) -> dict:
+        """Collectives of the last optimizer step (and of start-up), per op and dtype, in elements and bytes."""
+        return {"last_step": comm.comm_report(comm.ledger.last_step), "init": comm.comm_report(comm.ledger.init)}
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cast_floats(t, dtype) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _cast_floats(v, dtype) for k, v in tree.items()}
+    return tree
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
+

@@ -1,0 +1,97 @@
+"""The memory ledger: every byte a strategy holds for the life of training, by category and tier.
+
+A strategy lists its long-lived tensors (flat buffers, master copies, optimizer state) into a
+`MemoryLedger` each time a report is asked for, so the report can never drift from what is held.
+Transient buffers (a step's fp32 gradient copy, buckets) are recorded by their peak size, apart
+from model states. Categories are design.md's vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable
+
+import torch
+
+
+class Category(str, Enum):
+    """What a held byte is for."""
+
+    PARAM16 = "param16"  # 16-bit working parameters
+    PARAM32_MASTER = "param32_master"  # fp32 parameters the optimizer updates (fp32 training: the params)
+    GRAD = "grad"  # gradient accumulation buffers
+    OPTIM_STATE = "optim_state"  # optimizer state (Adam's exp_avg, exp_avg_sq, step)
+    BUFFER = "buffer"  # module buffers (running stats, position ids)
+
+
+MODEL_STATE_CATEGORIES = (Category.PARAM16, Category.PARAM32_MASTER, Category.GRAD, Category.OPTIM_STATE)
+
+
+def tier_of(tensor: torch.Tensor) -> str:
+    """The memory tier a tensor lives in: "cuda", "cpu", ... (nvme tiers are added by offload)."""
+    return tensor.device.type
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the tensor's own elements (a view counts its elements, not its base)."""
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class MemoryLedger:
+    """Bytes by (category, tier), plus named transient peaks."""
+
+    held: dict[tuple[Category, str], int] = field(default_factory=lambda: defaultdict(int))
+    transient_peak: dict[str, int] = field(default_factory=dict)
+
+    def add(self, category: Category, tensors: torch.Tensor | Iterable[torch.Tensor]) -> None:
+        """Count `tensors` (never views of something already counted) under `category`."""
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        for t in tensors:
+            self.held[(category, tier_of(t))] += nbytes(t)
+
+    def add_bytes(self, category: Category, tier: str, num_bytes: int) -> None:
+        """Count bytes that are not a torch tensor (a file on NVMe, say)."""
+        self.held[(category, tier)] += num_bytes
+
+    def bytes(self, category: Category | None = None, tier: str | None = None) -> int:
+        """Total bytes, optionally of one category and/or one tier."""
+        return sum(
+            b for (c, t), b in self.held.items()
+            if (category is None or c == category) and (tier is None or t == tier)
+        )
+
+    def model_state_bytes(self, tier: str | None = None) -> int:
+        """Parameters + gradients + master weights + optimizer state (design.md §3's table)."""
+        return sum(self.bytes(c, tier) for c in MODEL_STATE_CATEGORIES)
+
+    def report(self) -> dict:
+        """Plain data: {"held": {category: {tier: bytes}}, "model_states": bytes, "transient_peak": {...}}."""
+        held: dict[str, dict[str, int]] = defaultdict(dict)
+        for (category, tier), b in sorted(self.held.items(), key=lambda kv: (kv[0][0].value, kv[0][1])):
+            held[category.value][tier] = b
+        return {
+            "held": dict(held),
+            "model_states": self.model_state_bytes(),
+            "transient_peak": dict(self.transient_peak),
+        }
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor in a torch optimizer's state (Adam: exp_avg, exp_avg_sq and the step counter)."""
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def format_ledger(report: dict, fmt_bytes) -> list[str]:
+    """Render `MemoryLedger.report()` as aligned lines, one per category and tier."""
+    lines = []
+    for category, tiers in report["held"].items():
+        for tier, b in tiers.items():
+            lines.append(f"  {category:<15} {tier:<5} {fmt_bytes(b):>12}")
+    lines.append(f"  {'model states':<21} {fmt_bytes(report['model_states']):>12}")
+    for name, b in report["transient_peak"].items():
+        lines.append(f"  {'transient':<15} {name:<5} {fmt_bytes(b):>12}")
+    return lines

@@ -1,0 +1,119 @@
+"""Optimizers: from the config's `optimizer` section, a user instance, or a callable.
+
+A strategy decides which tensors the optimizer updates (model parameters, fp32 masters, owned flat
+shards); `optimizer_factory` turns whatever the user gave into a function from those param groups
+to a torch optimizer, keeping the user's class, defaults and per-group hyperparameters.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from zerodp.log import logger
+from zerodp.zero.base import OptimizerFactory
+
+# DeepSpeed's optimizer.params keys that torch's classes do not take.
+_DEEPSPEED_ONLY_ADAM_KEYS = ("adam_w_mode", "torch_adam", "bias_correction")
+
+
+def param_groups_from(
+    module: nn.Module,
+    model_parameters: Iterable | None,
+    optimizer: torch.optim.Optimizer | None,
+) -> list[dict]:
+    """The user's param groups with only trainable parameters, empty groups dropped.
+
+    Source, in order: the optimizer instance's groups, `model_parameters` (parameters or group
+    dicts), else every `requires_grad` parameter of `module`.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raw = [dict(g) for g in optimizer.param_groups]
+    elif model_parameters is not None:
+        items = list(model_parameters)
+        raw = [dict(g) for g in items] if items and isinstance(items[0], dict) else [{"params": items}]
+    else:
+        raw = [{"params": list(module.parameters())}]
+    groups, seen = [], set()
+    for g in raw:
+        params = [p for p in g["params"] if p.requires_grad]
+        for p in params:
+            if p in seen:
+                raise ValueError("a parameter appears in more than one param group; give each parameter once")
+            seen.add(p)
+        if params:
+            groups.append({**g, "params": params})
+    if not groups:
+        raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+    return groups
+
+
+def optimizer_factory(optimizer: Any, optimizer_config: Any, device: torch.device) -> OptimizerFactory:
+    """Turn initialize()'s `optimizer` argument (or the config section) into a factory.
+
+    - an Optimizer instance: the same object is kept, its groups re-pointed at the strategy's
+      tensors (so schedulers and user references keep working);
+    - a callable: called with the strategy's param groups;
+    - None: built from `optimizer_config` ({type, params}); errors if that is missing too.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return lambda groups: _repoint(optimizer, groups)
+    if callable(optimizer):
+        return optimizer
+    if optimizer is not None:
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, a callable or None, got {type(optimizer).__name__}")
+    if optimizer_config is None:
+        raise ValueError(
+            "no optimizer: pass optimizer= to initialize() or add an \"optimizer\": {\"type\": \"AdamW\", "
+            "\"params\": {\"lr\": 1e-3}} section to the config"
+        )
+    return lambda groups: build_optimizer(optimizer_config.type, dict(optimizer_config.params), groups, device)
+
+
+def _repoint(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """Point an existing optimizer's groups at new tensors, in place."""
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer passed to initialize() already has state (it has stepped); pass a fresh "
+            "optimizer and restore state with engine.load_checkpoint()"
+        )
+    if len(groups) != len(optimizer.param_groups):
+        raise AssertionError(f"{len(groups)} strategy groups for {len(optimizer.param_groups)} optimizer groups")
+    for mine, theirs in zip(optimizer.param_groups, groups):
+        mine["params"] = list(theirs["params"])
+    return optimizer
+
+
+def resolve_optimizer_class(type_name: str, params: dict) -> type[torch.optim.Optimizer]:
+    """DeepSpeed's name -> torch class. "Adam" is AdamW unless params["adam_w_mode"] is false
+    (DeepSpeed's `adam_w_mode` defaults to True even for "Adam")."""
+    name = type_name.lower()
+    if name == "adam":
+        return torch.optim.AdamW if params.get("adam_w_mode", True) else torch.optim.Adam
+    for attr in dir(torch.optim):
+        cls = getattr(torch.optim, attr)
+        if attr.lower() == name and isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            return cls
+    raise ValueError(f"optimizer.type: unknown optimizer '{type_name}'; use Adam, AdamW, SGD, Adagrad or a torch.optim class name")
+
+
+def build_optimizer(type_name: str, params: dict, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
+    """Build torch's implementation of `type_name` over `groups`, fused where the device allows."""
+    cls = resolve_optimizer_class(type_name, params)
+    if params.get("bias_correction", True) is False:
+        raise NotImplementedError("optimizer.params.bias_correction=false: torch's Adam always corrects bias")
+    kwargs = {k: v for k, v in params.items() if k not in _DEEPSPEED_ONLY_ADAM_KEYS}
+    accepted = inspect.signature(cls.__init__).parameters
+    unknown = sorted(k for k in kwargs if k not in accepted)
+    if unknown:
+        valid = ", ".join(k for k in accepted if k not in ("self", "params"))
+        raise ValueError(f"optimizer.params: {cls.__name__} does not take {unknown}; it takes: {valid}")
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    if "fused" in accepted and "foreach" not in kwargs and "fused" not in kwargs:
+        kwargs["fused"] = device.type in ("cuda", "cpu")
+    logger.debug("optimizer %s(%s)", cls.__name__, kwargs)
+    return cls(groups, **kwargs)

@@ -1,0 +1,76 @@
+"""The Strategy contract: one class per ZeRO stage behind one small interface.
+
+The engine owns the training loop (accumulation, loss scale, schedule, counters); a strategy owns
+where parameters, gradients and optimizer state live and the collectives that move them. The
+engine never branches on the stage number.
+
+[Note: step protocol]
+Per micro-batch the engine calls `before_backward(boundary)`, runs autograd, then
+`after_backward(boundary)`. Off the boundary a strategy only accumulates (no communication). At
+the boundary, after `after_backward`, every rank holds its reduced gradients and the engine calls
+`found_overflow()` (answer identical on every rank), then either `step(loss_scale, max_norm)` or
+nothing, then `zero_grad()`.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Callable
+
+import torch
+from torch import nn
+
+from zerodp.memory import MemoryLedger
+from zerodp.precision import DtypePolicy
+
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+"""Builds the optimizer over the param groups a strategy hands it (its own tensors, the
+user's hyperparameters)."""
+
+
+class Strategy(abc.ABC):
+    """Where params, grads and optimizer state live for one ZeRO stage, and how they move."""
+
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, config, policy: DtypePolicy, device: torch.device) -> None:
+        self.config = config
+        self.policy = policy
+        self.device = device
+
+    @abc.abstractmethod
+    def wrap(self, module: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> None:
+        """Place and cast `module`, sync it from rank 0, lay out gradients, install hooks, and
+        build `self.optimizer` with `make_optimizer` over this strategy's tensors.
+
+        `param_groups` are the user's groups (trainable parameters only, hyperparameters kept).
+        """
+
+    @abc.abstractmethod
+    def before_backward(self, boundary: bool) -> None:
+        """Called before autograd runs for a micro-batch; `boundary` is the last micro-batch."""
+
+    @abc.abstractmethod
+    def after_backward(self, boundary: bool) -> None:
+        """Called after autograd; at the boundary, leave this rank's reduced gradients in place."""
+
+    @abc.abstractmethod
+    def found_overflow(self) -> bool:
+        """True when any rank's reduced gradients hold inf/nan (same answer on every rank)."""
+
+    @abc.abstractmethod
+    def first_overflow_name(self) -> str | None:
+        """Name of the first parameter whose reduced gradient is non-finite on this rank."""
+
+    @abc.abstractmethod
+    def step(self, loss_scale: float, max_norm: float) -> float:
+        """Unscale, clip to `max_norm` (0 = off) by the global norm, run the optimizer, republish
+        the parameters. Returns the global gradient norm before clipping."""
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None:
+        """Reset gradient accumulation for the next optimizer step."""
+
+    @abc.abstractmethod
+    def ledger(self) -> MemoryLedger:
+        """Every long-lived byte this strategy holds, by category and tier, plus transient peaks."""

@@ -1,0 +1,269 @@
+"""Stage 0: plain data parallelism (the DDP baseline) behind the Strategy contract.
+
+Every rank holds full parameters, gradients and optimizer state. Gradients live in one flat
+gradient buffer; each parameter's `.grad` is a view into it (`gradient_as_bucket_view` in DDP's
+words), so autograd accumulates micro-batches in place and a bucket is a contiguous slice that is
+all-reduced without a copy.
+
+[Note: bucket order]
+Buckets are launched strictly in index order from post-accumulate-grad hooks on the boundary
+micro-batch, so every rank issues the same collectives in the same order even when gradients
+become ready in a different order. The first layout cuts buckets in registration order and puts the last
+bucket first; after the first optimizer step the layout is rebuilt in the order gradients actually became ready on rank 0
+(broadcast to all ranks), so buckets fill front to back during backward, as DDP does. Using the same
+rule as DDP also gives the same element positions in each all-reduce, which is what makes fp32
+results bitwise equal to DDP's at any world size (gloo's ring sums in a position-dependent order).
+
+[Note: mixed precision]
+With bf16/fp16 the module's parameters are cast to 16 bits and an fp32 master copy per parameter
+is what the optimizer updates. When `data_types.grad_accum_dtype` differs from the parameter dtype
+(bf16 params, fp32 accumulation), autograd's 16-bit gradient is added into the fp32 buffer by the
+hook and then dropped; otherwise `.grad` is the buffer view. At the step the reduced gradients are
+cast once into a transient fp32 buffer for the masters (or used directly when already fp32).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+from zerodp import comm
+from zerodp.memory import Category, MemoryLedger, nbytes, optimizer_state_tensors
+from zerodp.precision import first_nonfinite, has_inf_or_nan
+from zerodp.zero.base import OptimizerFactory, Strategy
+from zerodp.zero.layout import Bucket, assign_buckets, flat_offsets
+
+
+class BucketState(Enum):
+    """Where a reduce bucket is within the boundary micro-batch's backward."""
+
+    FILLING = "filling"  # some of its gradients are not final yet
+    READY = "ready"  # all final, waiting for earlier buckets to launch first
+    REDUCING = "reducing"  # all-reduce in flight
+    REDUCED = "reduced"  # all-reduce finished
+
+
+class Stage0(Strategy):
+    """Data parallelism: bucketed gradient all-reduce overlapped with backward."""
+
+    def wrap(self, module: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> None:
+        self.module = module
+        module.to(device=self.device)
+        _cast_floating(module, self.policy.param_dtype)
+        _broadcast_from_rank0(module)
+        self.params = _trainable_in_registration_order(module, param_groups)
+        self.names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
+        self.num_ranks = comm.get_world_size()
+        self.bucket_numel = int(self.config.zero_optimization.reduce_bucket_size)
+        self.hooked_accumulation = self.policy.grad_accum_dtype != self.policy.param_dtype
+        self._layout(_initial_order(self.params, self.bucket_numel))
+        self.ready_order: list[nn.Parameter] | None = []  # recorded once, then None
+        self.boundary = False
+        self.step_grad32: torch.Tensor | None = None  # transient fp32 gradients of the step
+        self.transient_peak_bytes = 0
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.masters = [p.detach().float().clone() for p in self.params] if self.policy.needs_master_copy else None
+        self.optimizer = make_optimizer(self._optimizer_groups(param_groups))
+
+    # --- layout ---------------------------------------------------------------------------
+
+    def _layout(self, order: list[nn.Parameter]) -> None:
+        """Lay the flat gradient buffer out in `order` and cut it into buckets."""
+        self.order = order
+        numels = [p.numel() for p in order]
+        self.offsets = dict(zip(order, flat_offsets(numels)))
+        self.flat_grad = torch.zeros(sum(numels), dtype=self.policy.grad_accum_dtype, device=self.device)
+        self.buckets = assign_buckets(numels, self.bucket_numel)
+        self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in order[bucket.first : bucket.last]}
+        for p in order:
+            p.grad = None if self.hooked_accumulation else self._grad_view(p)
+        self._reset_buckets()
+
+    def _grad_view(self, p: nn.Parameter) -> torch.Tensor:
+        start = self.offsets[p]
+        return self.flat_grad[start : start + p.numel()].view_as(p)
+
+    def _bucket_slice(self, bucket: Bucket) -> torch.Tensor:
+        return self.flat_grad[bucket.start : bucket.stop]
+
+    def _reset_buckets(self) -> None:
+        self.bucket_state = [BucketState.FILLING] * len(self.buckets)
+        self.pending = [b.last - b.first for b in self.buckets]
+        self.works: list[tuple[int, comm.dist.Work | None]] = []
+        self.next_bucket = 0
+
+    def _rebuild_in_ready_order(self) -> None:
+        """After the first step: relayout in rank 0's gradient-ready order (see [Note: bucket order])."""
+        seen = set(self.ready_order)
+        order = self.ready_order + [p for p in reversed(self.params) if p not in seen]
+        index = {p: i for i, p in enumerate(self.params)}
+        ranks_order = torch.tensor([index[p] for p in order], dtype=torch.int64, device=comm.device_for_backend())
+        comm.broadcast(ranks_order, src=0)
+        self.ready_order = None
+        new_order = [self.params[i] for i in ranks_order.tolist()]
+        if any(a is not b for a, b in zip(new_order, self.order)):
+            self._layout(new_order)
+
+    # --- backward ---------------------------------------------------------------------------
+
+    def before_backward(self, boundary: bool) -> None:
+        self.boundary = boundary
+        if boundary:
+            self._reset_buckets()
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: fold the gradient into the flat buffer, launch ready buckets."""
+        view = self._grad_view(p)
+        if self.hooked_accumulation or p.grad.data_ptr() != view.data_ptr():
+            view.add_(p.grad)  # hooked accumulation, or `.grad` was reset behind our back
+            p.grad = None if self.hooked_accumulation else view
+        if not self.boundary:
+            return
+        if self.ready_order is not None:
+            self.ready_order.append(p)
+        b = self.bucket_of[p]
+        if self.bucket_state[b] is not BucketState.FILLING:
+            raise RuntimeError(
+                f"gradient of '{self.names.get(p, '?')}' was produced twice in one backward after its "
+                "bucket was reduced; this happens with reentrant activation checkpointing or several "
+                "backward() calls per micro-batch. Use non-reentrant checkpointing "
+                "(torch.utils.checkpoint(..., use_reentrant=False) or zerodp.checkpointing) or one backward."
+            )
+        self.pending[b] -= 1
+        if self.pending[b] == 0:
+            self.bucket_state[b] = BucketState.READY
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self, force: bool = False) -> None:
+        """Start all-reduces for buckets in index order; `force` also starts unfinished ones."""
+        while self.next_bucket < len(self.buckets):
+            b = self.next_bucket
+            if not (force or self.bucket_state[b] is BucketState.READY):
+                return
+            grads = self._bucket_slice(self.buckets[b])
+            if self.num_ranks > 1:
+                grads.mul_(1.0 / self.num_ranks)  # mean, divided before the sum as DDP does
+                self.works.append((b, comm.all_reduce(grads, async_op=True)))
+            self.bucket_state[b] = BucketState.REDUCING
+            self.next_bucket += 1
+
+    def after_backward(self, boundary: bool) -> None:
+        if not boundary:
+            return
+        self._launch_ready_buckets(force=True)  # buckets of parameters unused in this backward
+        for _, work in self.works:
+            work.wait()
+        self.bucket_state = [BucketState.REDUCED] * len(self.buckets)
+        self.works = []
+
+    # --- step ---------------------------------------------------------------------------------
+
+    def found_overflow(self) -> bool:
+        # Gradients are identical on every rank after the all-reduce, and inf/nan survive the
+        # sum, so a local check gives every rank the same answer without a collective.
+        return bool(has_inf_or_nan([self.flat_grad]).item())
+
+    def first_overflow_name(self) -> str | None:
+        return first_nonfinite((self.names.get(p, "?"), self._grad_view(p)) for p in self.order)
+
+    @torch.no_grad()
+    def step(self, loss_scale: float, max_norm: float) -> float:
+        targets, grads = self._step_grads()
+        if loss_scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / loss_scale)
+        # Same functions as torch.nn.utils.clip_grad_norm_, so fp32 matches DDP + clip bitwise.
+        total_norm = torch.nn.utils.get_total_norm(grads)
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(targets, max_norm, total_norm)
+        self.optimizer.step()
+        if self.masters is not None:
+            torch._foreach_copy_(self.params, self.masters)
+            for m in self.masters:
+                m.grad = None
+            self.step_grad32 = None
+        return float(total_norm)
+
+    def _step_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The tensors the optimizer updates and their gradients for this step."""
+        if self.masters is None:
+            for p in self.params:
+                p.grad = self._grad_view(p)
+            return self.params, [p.grad for p in self.params]
+        grad32 = self.flat_grad if self.flat_grad.dtype == torch.float32 else self.flat_grad.float()
+        if grad32 is not self.flat_grad:
+            self.step_grad32 = grad32
+            self.transient_peak_bytes = max(self.transient_peak_bytes, nbytes(grad32))
+        for p, m in zip(self.params, self.masters):
+            start = self.offsets[p]
+            m.grad = grad32[start : start + p.numel()].view_as(m)
+        return self.masters, [m.grad for m in self.masters]
+
+    def zero_grad(self) -> None:
+        if self.ready_order is not None and self.ready_order:
+            self._rebuild_in_ready_order()
+        self.flat_grad.zero_()
+        if not self.hooked_accumulation:
+            for p in self.params:
+                p.grad = self._grad_view(p)
+
+    def _optimizer_groups(self, param_groups: list[dict]) -> list[dict]:
+        """The user's groups over the tensors the optimizer updates (params, or fp32 masters)."""
+        if self.masters is None:
+            return param_groups
+        master_of = dict(zip(self.params, self.masters))
+        return [{**g, "params": [master_of[p] for p in g["params"]]} for g in param_groups]
+
+    def ledger(self) -> MemoryLedger:
+        led = MemoryLedger()
+        for p in self.module.parameters():  # trainable and frozen; the fp32 params are their own master
+            led.add(Category.PARAM32_MASTER if p.dtype == torch.float32 else Category.PARAM16, p)
+        if self.masters is not None:
+            led.add(Category.PARAM32_MASTER, self.masters)
+        led.add(Category.GRAD, self.flat_grad)
+        led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer))
+        led.add(Category.BUFFER, list(self.module.buffers()))
+        if self.transient_peak_bytes:
+            led.transient_peak["step_grad_fp32"] = self.transient_peak_bytes
+        return led
+
+
+def _initial_order(params: list[nn.Parameter], bucket_numel: int) -> list[nn.Parameter]:
+    """Before any gradient was seen: buckets cut in registration order, the last bucket first
+    (DDP's initial layout; gradients of the last layers come first in backward)."""
+    buckets = assign_buckets([p.numel() for p in params], bucket_numel)
+    return [p for b in reversed(buckets) for p in params[b.first : b.last]]
+
+
+def _cast_floating(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating-point parameters and buffers to `dtype` in place (integer buffers untouched)."""
+    module.to(dtype=dtype)
+
+
+def _broadcast_from_rank0(module: nn.Module) -> None:
+    """Make every rank start from rank 0's parameters and buffers (one broadcast per dtype)."""
+    if comm.get_world_size() == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in [*module.parameters(), *module.buffers()]:  # parameters() yields tied ones once
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors([t.detach() for t in group])
+            comm.broadcast(flat, src=0)
+            for t, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+                t.copy_(synced)
+
+
+def _trainable_in_registration_order(module: nn.Module, param_groups: list[dict]) -> list[nn.Parameter]:
+    """The optimizer's parameters in the module's registration order; each must belong to it."""
+    wanted = {p for g in param_groups for p in g["params"]}
+    ordered = [p for p in module.parameters() if p in wanted]
+    if len(ordered) != len(wanted):
+        raise ValueError(
+            f"{len(wanted) - len(ordered)} parameter(s) given to the optimizer (model_parameters or "
+            "the optimizer's param_groups) are not parameters of the model passed to initialize()"
+        )
+    return ordered
