@@ -27,11 +27,23 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted (it may be swapped after set-up)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def _setup_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("[zerodp] %(message)s"))
     log = logging.getLogger("zerodp")
-    if not log.handlers:
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("[zerodp] %(message)s"))
         log.addHandler(handler)
     log.setLevel(os.environ.get("ZERODP_LOG_LEVEL", "INFO"))
 

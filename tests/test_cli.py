@@ -1,0 +1,87 @@
+"""The `zerodp` command: config check, demo, run (the launcher over torchrun)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from zerodp.cli import main
+from zerodp.launcher import torchrun_argv
+
+
+def _write(tmp_path, config: dict) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_config_check_prints_the_resolved_config_and_batch_math(tmp_path, capsys) -> None:
+    path = _write(tmp_path, {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4})
+    assert main(["config", "check", path, "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "gradient_accumulation_steps 2 (derived)" in out and "config OK" in out
+    assert '"gradient_clipping": 1.0' in out  # defaults are shown resolved
+
+
+def test_config_check_reports_every_problem_and_exits_1(tmp_path, capsys) -> None:
+    path = _write(tmp_path, {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
+                             "zero_optimization": {"overlap_comms": True}, "amp": {"enabled": True}})
+    assert main(["config", "check", path, "--world-size", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "did you mean 'overlap_comm'" in err
+    assert "amp" in err and "removed" in err
+    assert "30" in err and "28" in err  # the batch rule with its factors and a consistent value
+
+
+def test_config_check_without_world_size_says_how_to_give_it(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 4})
+    assert main(["config", "check", path]) == 1
+    assert "world_size" in capsys.readouterr().err
+
+
+def test_demo_with_an_unbuilt_stage_is_a_message_not_a_traceback(capsys) -> None:
+    assert main(["demo", "--stage", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "stage 3" in err and "not implemented yet" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,standalone", [
+    (["--nproc-per-node", "2", "train.py", "--lr", "1"], True),
+    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "h", "--nproc-per-node", "2", "train.py"], False),
+    (["--nproc-per-node", "2", "train.py", "--nnodes", "3"], True),  # the script's own option
+    (["--nproc-per-node=2", "-m", "pkg.mod"], True),
+])
+def test_run_adds_standalone_only_on_one_machine(argv: list[str], standalone: bool) -> None:
+    out = torchrun_argv(argv)
+    assert (out[0] == "--standalone") == standalone
+    assert out[-len(argv):] == argv
+
+
+def _zerodp(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerodp.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_failing_rank_stops_the_job_instead_of_hanging(tmp_path) -> None:
+    script = tmp_path / "fails_on_rank1.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, zerodp
+        zerodp.init_distributed()
+        if os.environ["RANK"] == "1":
+            raise ValueError("rank 1 gives up before the collective")
+        zerodp.comm.all_reduce(torch.ones(1))   # rank 0 would wait here forever
+    """))
+    result = _zerodp("run", "--nproc-per-node", "2", str(script), timeout=120)
+    assert result.returncode == 1
+    assert "rank 1 gives up" in result.stderr
+
+
+def test_demo_trains_end_to_end_on_two_processes() -> None:
+    result = _zerodp("demo", "--steps", "4", "--dtype", "bf16", timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "loss " in result.stdout and "memory ledger, rank 0" in result.stdout
+    assert "param16" in result.stdout and "all_reduce[bfloat16]" in result.stdout
