@@ -105,10 +105,14 @@ def test_persistent_overflow_at_minimum_scale_says_what_to_do() -> None:
 
 def _ledgers(rank: int, world: int, precision: dict):
     engine = _engine(precision)
-    for step in range(2):
+    per_step = []
+    for step in range(3):
         _micro(engine, rank, step, 0)
+        per_step.append(engine.comm_report()["last_step"])
     params = list(engine.module.parameters())
     numel = sum(p.numel() for p in params)
+    if any(s != per_step[0] for s in per_step):
+        raise AssertionError(f"steps communicated differently: {per_step}")
     return engine.memory_report(), engine.comm_report(), numel, len(params)
 
 

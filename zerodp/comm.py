@@ -16,7 +16,9 @@ import datetime
 import os
 import socket
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,11 +52,23 @@ class CommLedger:
     current: dict[tuple[str, str], CommRecord] = field(default_factory=lambda: defaultdict(CommRecord))
     last_step: dict[tuple[str, str], CommRecord] = field(default_factory=dict)
     init: dict[tuple[str, str], CommRecord] = field(default_factory=dict)
+    one_off: dict[tuple[str, str], CommRecord] = field(default_factory=lambda: defaultdict(CommRecord))
     num_steps: int = 0
+    _outside_step: bool = False
+
+    @contextmanager
+    def outside_step(self) -> Iterator[None]:
+        """Count collectives inside as one-off work (a layout rebuild), not as the step's traffic."""
+        self._outside_step = True
+        try:
+            yield
+        finally:
+            self._outside_step = False
 
     def record(self, op: str, tensor: torch.Tensor) -> None:
         """Count one collective of `op` on `tensor` (input for reduce ops, output for gathers)."""
-        entry = self.current[(op, str(tensor.dtype).removeprefix("torch."))]
+        records = self.one_off if self._outside_step else self.current
+        entry = records[(op, str(tensor.dtype).removeprefix("torch."))]
         entry.calls += 1
         numel = tensor.numel() * _TRAFFIC_FACTOR[op]
         entry.numel += numel

@@ -229,8 +229,11 @@ class Engine(nn.Module):
         return self.strategy.ledger().report()
 
     def comm_report(self) -> dict:
-        """Collectives of the last optimizer step (and of start-up), per op and dtype, in elements and bytes."""
-        return {"last_step": comm.comm_report(comm.ledger.last_step), "init": comm.comm_report(comm.ledger.init)}
+        """Collectives per op and dtype, in elements and bytes: of the last optimizer step, of
+        start-up, and one-off work between steps (stage 0's layout rebuild after step 1)."""
+        ledger = comm.ledger
+        return {"last_step": comm.comm_report(ledger.last_step), "init": comm.comm_report(ledger.init),
+                "one_off": comm.comm_report(ledger.one_off)}
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

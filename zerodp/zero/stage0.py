@@ -101,7 +101,9 @@ class Stage0(Strategy):
         order = self.ready_order + [p for p in reversed(self.params) if p not in seen]
         index = {p: i for i, p in enumerate(self.params)}
         ranks_order = torch.tensor([index[p] for p in order], dtype=torch.int64, device=comm.device_for_backend())
-        comm.broadcast(ranks_order, src=0)
+        if self.num_ranks > 1:
+            with comm.ledger.outside_step():
+                comm.broadcast(ranks_order, src=0)
         self.ready_order = None
         new_order = [self.params[i] for i in ranks_order.tolist()]
         if any(a is not b for a, b in zip(new_order, self.order)):
