@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zerodp.zero.layout import assign_buckets, flat_offsets
+from zerodp.zero.layout import ParamSlice, assign_buckets, flat_offsets, group_layout, owner_pieces
 
 numels = st.lists(st.integers(min_value=0, max_value=50), max_size=30)
 
@@ -26,3 +26,55 @@ def test_bucket_boundaries_by_hand() -> None:
     assert flat_offsets([3, 3, 3, 10, 1]) == [0, 3, 6, 9, 19]
     with pytest.raises(ValueError, match="bucket size must be positive"):
         assign_buckets([1], 0)
+
+
+layouts = st.tuples(st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=12),
+                    st.integers(min_value=1, max_value=8), st.integers(min_value=1, max_value=4))
+
+
+@given(layouts)
+def test_owned_ranges_are_disjoint_equal_and_cover_the_buffer(args) -> None:
+    numels, num_ranks, alignment = args
+    layout = group_layout(numels, num_ranks, alignment)
+    ranges = [layout.owned_range(r) for r in range(num_ranks)]
+    assert all(stop - start == layout.shard_numel for start, stop in ranges)
+    assert [start for start, _ in ranges] == [r * layout.shard_numel for r in range(num_ranks)]
+    assert ranges[-1][1] == layout.padded_numel and layout.padded_numel % num_ranks == 0
+    assert layout.padded_numel - (layout.offsets[-1] + numels[-1]) < num_ranks  # tail padding
+    assert all(o % alignment == 0 for o in layout.offsets)
+
+
+@given(layouts)
+def test_every_parameter_reassembles_from_its_slices_across_ranks(args) -> None:
+    numels, num_ranks, alignment = args
+    layout = group_layout(numels, num_ranks, alignment)
+    flat = [None] * layout.padded_numel
+    for i, (offset, n) in enumerate(zip(layout.offsets, numels)):
+        for k in range(n):
+            flat[offset + k] = (i, k)
+    rebuilt: dict[int, list] = {i: [] for i in range(len(numels))}
+    for rank in range(num_ranks):
+        for s in layout.slices_in(*layout.owned_range(rank)):
+            assert flat[s.flat_offset:s.flat_offset + s.numel] == [(s.index, s.param_offset + k) for k in range(s.numel)]
+            rebuilt[s.index].extend(range(s.param_offset, s.param_offset + s.numel))
+    assert all(rebuilt[i] == list(range(n)) for i, n in enumerate(numels))
+
+
+@given(layouts, st.data())
+def test_owner_pieces_split_a_range_at_shard_boundaries(args, data) -> None:
+    numels, num_ranks, alignment = args
+    layout = group_layout(numels, num_ranks, alignment)
+    start = data.draw(st.integers(0, layout.padded_numel))
+    stop = data.draw(st.integers(start, layout.padded_numel))
+    pieces = owner_pieces(start, stop, layout.shard_numel) if layout.shard_numel else []
+    assert sum(b - a for _, a, b in pieces) == stop - start
+    for rank, a, b in pieces:
+        lo, hi = layout.owned_range(rank)
+        assert lo <= a < b <= hi
+
+
+def test_fewer_elements_than_ranks_leaves_padding_only_shards() -> None:
+    layout = group_layout([1, 2], num_ranks=4)
+    assert (layout.padded_numel, layout.shard_numel) == (4, 1)
+    assert layout.slices_in(*layout.owned_range(3)) == []
+    assert layout.slices_in(*layout.owned_range(1)) == [ParamSlice(index=1, param_offset=0, flat_offset=1, numel=1)]

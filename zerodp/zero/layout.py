@@ -47,3 +47,81 @@ def assign_buckets(numels: list[int], bucket_numel: int) -> list[Bucket]:
     if numels:
         buckets.append(Bucket(first, len(numels), start, start + size))
     return buckets
+
+
+# ---------------------------------------------------------------------------------------------
+# flat groups and owned shards (stages 1-3, the checkpoint resharder, the estimator)
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """Elements [param_offset, param_offset + numel) of parameter `index`, which sit at
+    [flat_offset, flat_offset + numel) of its group's flat buffer."""
+
+    index: int
+    param_offset: int
+    flat_offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One param group flattened: parameter i occupies [offsets[i], offsets[i] + numels[i]) of a flat
+    buffer of `padded_numel` elements, cut into `num_ranks` equal owned shards. Padding (alignment
+    gaps and the tail) belongs to no parameter and stays zero."""
+
+    numels: tuple[int, ...]
+    offsets: tuple[int, ...]
+    padded_numel: int
+    num_ranks: int
+
+    @property
+    def numel(self) -> int:
+        """Elements that belong to parameters (padding excluded)."""
+        return sum(self.numels)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of every rank's owned shard (padding included)."""
+        return self.padded_numel // self.num_ranks
+
+    def owned_range(self, rank: int) -> tuple[int, int]:
+        """[start, stop) of the flat buffer that `rank` owns."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank {rank} is outside 0..{self.num_ranks - 1}")
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def slices_in(self, start: int, stop: int) -> list[ParamSlice]:
+        """The pieces of parameters inside flat range [start, stop), in flat order."""
+        pieces = []
+        for i, (offset, n) in enumerate(zip(self.offsets, self.numels)):
+            lo, hi = max(start, offset), min(stop, offset + n)
+            if lo < hi:
+                pieces.append(ParamSlice(i, lo - offset, lo, hi - lo))
+        return pieces
+
+
+def group_layout(numels: list[int], num_ranks: int, alignment: int = 1) -> GroupLayout:
+    """Flatten parameters of `numels` elements in order, each starting at a multiple of
+    `alignment` elements, and pad the total to a multiple of `num_ranks` (at most num_ranks - 1
+    tail elements, plus alignment gaps)."""
+    if num_ranks < 1 or alignment < 1:
+        raise ValueError(f"num_ranks ({num_ranks}) and alignment ({alignment}) must be positive")
+    offsets, position = [], 0
+    for n in numels:
+        position = -(-position // alignment) * alignment
+        offsets.append(position)
+        position += n
+    padded = -(-position // num_ranks) * num_ranks
+    return GroupLayout(tuple(numels), tuple(offsets), padded, num_ranks)
+
+
+def owner_pieces(start: int, stop: int, shard_numel: int) -> list[tuple[int, int, int]]:
+    """Split flat range [start, stop) by owner: (rank, piece_start, piece_stop) in order."""
+    pieces = []
+    while start < stop:
+        rank = start // shard_numel
+        piece_stop = min(stop, (rank + 1) * shard_numel)
+        pieces.append((rank, start, piece_stop))
+        start = piece_stop
+    return pieces

@@ -33,6 +33,7 @@ from zerodp import comm
 from zerodp.memory import Category, MemoryLedger, nbytes, optimizer_state_tensors
 from zerodp.precision import first_nonfinite, has_inf_or_nan
 from zerodp.zero.base import OptimizerFactory, Strategy
+from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
 from zerodp.zero.layout import Bucket, assign_buckets, flat_offsets
 
 
@@ -50,14 +51,11 @@ class Stage0(Strategy):
 
     def wrap(self, module: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> None:
         self.module = module
-        module.to(device=self.device)
-        _cast_floating(module, self.policy.param_dtype)
-        _broadcast_from_rank0(module)
-        self.params = _trainable_in_registration_order(module, param_groups)
+        prepare_module(module, self.policy.param_dtype, self.device)
+        self.params = trainable_in_registration_order(module, param_groups)
         self.names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
         self.num_ranks = comm.get_world_size()
         self.bucket_numel = int(self.config.zero_optimization.reduce_bucket_size)
-        self.hooked_accumulation = self.policy.grad_accum_dtype != self.policy.param_dtype
         self._layout(_initial_order(self.params, self.bucket_numel))
         self.ready_order: list[nn.Parameter] | None = []  # recorded once, then None
         self.boundary = False
@@ -74,20 +72,13 @@ class Stage0(Strategy):
         """Lay the flat gradient buffer out in `order` and cut it into buckets."""
         self.order = order
         numels = [p.numel() for p in order]
-        self.offsets = dict(zip(order, flat_offsets(numels)))
-        self.flat_grad = torch.zeros(sum(numels), dtype=self.policy.grad_accum_dtype, device=self.device)
+        self.grads = FlatGradBuffer(order, flat_offsets(numels), sum(numels), self.policy.grad_accum_dtype, self.device)
         self.buckets = assign_buckets(numels, self.bucket_numel)
         self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in order[bucket.first : bucket.last]}
-        for p in order:
-            p.grad = None if self.hooked_accumulation else self._grad_view(p)
         self._reset_buckets()
 
-    def _grad_view(self, p: nn.Parameter) -> torch.Tensor:
-        start = self.offsets[p]
-        return self.flat_grad[start : start + p.numel()].view_as(p)
-
     def _bucket_slice(self, bucket: Bucket) -> torch.Tensor:
-        return self.flat_grad[bucket.start : bucket.stop]
+        return self.grads.buffer[bucket.start : bucket.stop]
 
     def _reset_buckets(self) -> None:
         self.bucket_state = [BucketState.FILLING] * len(self.buckets)
@@ -118,10 +109,7 @@ class Stage0(Strategy):
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook: fold the gradient into the flat buffer, launch ready buckets."""
-        view = self._grad_view(p)
-        if self.hooked_accumulation or p.grad.data_ptr() != view.data_ptr():
-            view.add_(p.grad)  # hooked accumulation, or `.grad` was reset behind our back
-            p.grad = None if self.hooked_accumulation else view
+        self.grads.fold(p)
         if not self.boundary:
             return
         if self.ready_order is not None:
@@ -166,10 +154,10 @@ class Stage0(Strategy):
     def found_overflow(self) -> bool:
         # Gradients are identical on every rank after the all-reduce, and inf/nan survive the
         # sum, so a local check gives every rank the same answer without a collective.
-        return bool(has_inf_or_nan([self.flat_grad]).item())
+        return bool(has_inf_or_nan([self.grads.buffer]).item())
 
     def first_overflow_name(self) -> str | None:
-        return first_nonfinite((self.names.get(p, "?"), self._grad_view(p)) for p in self.order)
+        return first_nonfinite((self.names.get(p, "?"), self.grads.view(p)) for p in self.order)
 
     @torch.no_grad()
     def step(self, loss_scale: float, max_norm: float) -> float:
@@ -191,25 +179,22 @@ class Stage0(Strategy):
     def _step_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The tensors the optimizer updates and their gradients for this step."""
         if self.masters is None:
-            for p in self.params:
-                p.grad = self._grad_view(p)
+            self.grads.reset_grads()
             return self.params, [p.grad for p in self.params]
-        grad32 = self.flat_grad if self.flat_grad.dtype == torch.float32 else self.flat_grad.float()
-        if grad32 is not self.flat_grad:
+        flat_grad = self.grads.buffer
+        grad32 = flat_grad if flat_grad.dtype == torch.float32 else flat_grad.float()
+        if grad32 is not flat_grad:
             self.step_grad32 = grad32
             self.transient_peak_bytes = max(self.transient_peak_bytes, nbytes(grad32))
         for p, m in zip(self.params, self.masters):
-            start = self.offsets[p]
+            start = self.grads.offsets[p]
             m.grad = grad32[start : start + p.numel()].view_as(m)
         return self.masters, [m.grad for m in self.masters]
 
     def zero_grad(self) -> None:
-        if self.ready_order is not None and self.ready_order:
+        if self.ready_order:
             self._rebuild_in_ready_order()
-        self.flat_grad.zero_()
-        if not self.hooked_accumulation:
-            for p in self.params:
-                p.grad = self._grad_view(p)
+        self.grads.zero()
 
     def _optimizer_groups(self, param_groups: list[dict]) -> list[dict]:
         """The user's groups over the tensors the optimizer updates (params, or fp32 masters)."""
@@ -224,7 +209,7 @@ class Stage0(Strategy):
             led.add(Category.PARAM32_MASTER if p.dtype == torch.float32 else Category.PARAM16, p)
         if self.masters is not None:
             led.add(Category.PARAM32_MASTER, self.masters)
-        led.add(Category.GRAD, self.flat_grad)
+        led.add(Category.GRAD, self.grads.buffer)
         led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer))
         led.add(Category.BUFFER, list(self.module.buffers()))
         if self.transient_peak_bytes:
@@ -237,35 +222,3 @@ def _initial_order(params: list[nn.Parameter], bucket_numel: int) -> list[nn.Par
     (DDP's initial layout; gradients of the last layers come first in backward)."""
     buckets = assign_buckets([p.numel() for p in params], bucket_numel)
     return [p for b in reversed(buckets) for p in params[b.first : b.last]]
-
-
-def _cast_floating(module: nn.Module, dtype: torch.dtype) -> None:
-    """Cast floating-point parameters and buffers to `dtype` in place (integer buffers untouched)."""
-    module.to(dtype=dtype)
-
-
-def _broadcast_from_rank0(module: nn.Module) -> None:
-    """Make every rank start from rank 0's parameters and buffers (one broadcast per dtype)."""
-    if comm.get_world_size() == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in [*module.parameters(), *module.buffers()]:  # parameters() yields tied ones once
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for group in by_dtype.values():
-            flat = torch._utils._flatten_dense_tensors([t.detach() for t in group])
-            comm.broadcast(flat, src=0)
-            for t, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
-                t.copy_(synced)
-
-
-def _trainable_in_registration_order(module: nn.Module, param_groups: list[dict]) -> list[nn.Parameter]:
-    """The optimizer's parameters in the module's registration order; each must belong to it."""
-    wanted = {p for g in param_groups for p in g["params"]}
-    ordered = [p for p in module.parameters() if p in wanted]
-    if len(ordered) != len(wanted):
-        raise ValueError(
-            f"{len(wanted) - len(ordered)} parameter(s) given to the optimizer (model_parameters or "
-            "the optimizer's param_groups) are not parameters of the model passed to initialize()"
-        )
-    return ordered
