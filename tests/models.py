@@ -42,3 +42,25 @@ def batch(rank: int, step: int, micro: int, micro_batch: int = 4, seq: int = 8, 
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
     idx = torch.randint(0, vocab, (micro_batch, seq), generator=g)
     return idx, torch.roll(idx, 1, dims=1)
+
+
+class Branchy(nn.Module):
+    """What real models do to a data-parallel engine: a frozen layer, a layer used twice, and a
+    branch (`maybe`) that runs only when the caller says so (different ranks may differ)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(32, 16)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.shared = nn.Linear(16, 16)
+        self.maybe = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, use_maybe: bool = True) -> torch.Tensor:
+        h = self.frozen(self.embed(idx))
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        if use_maybe:
+            h = h + self.maybe(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())

@@ -211,3 +211,142 @@ def test_user_optimizer_instance_is_kept_and_steps_fp32_masters() -> None:
         assert same
         assert lrs == pytest.approx([0.05])  # the user's StepLR stepped the same optimizer
         assert master_dtype == torch.float32
+
+
+# --- stages 1 and 2: ledgers ------------------------------------------------------------------
+
+
+def _padded(numel: int, world: int) -> tuple[int, int]:
+    padded = -(-numel // world) * world
+    return padded, padded // world
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_fp32_ledgers_are_design_formulas_exactly(stage: int, world: int) -> None:
+    """fp32 + AdamW (one param group): params 4 x padded; grads 4 x padded (stage 1) or 4 x shard
+    (stage 2); optimizer state 8 x shard + one 4-byte step. Per step: reduce-scatter (stage 1) or
+    per-owner reduces of the parameters' elements (stage 2), an all-gather of the padded buffer,
+    and one 2-element all-reduce (norm, overflow flag)."""
+    config = {"zero_optimization": {"stage": stage}}
+    for memory, comms, numel, _ in run_ranks(_ledgers, world, args=(config,)):
+        padded, shard = _padded(numel, world)
+        held = memory["held"]
+        assert held["param32_master"]["cpu"] == 4 * padded
+        assert held["grad"]["cpu"] == 4 * (padded if stage == 1 else shard)
+        assert held["optim_state"]["cpu"] == 8 * shard + 4
+        ops = comms["last_step"]["ops"]
+        if world == 1:
+            assert ops == {}
+            continue
+        reduced = ops["reduce_scatter[float32]"]["numel"] if stage == 1 else ops["reduce[float32]"]["numel"]
+        assert reduced == (padded if stage == 1 else numel)
+        assert ops["all_gather[float32]"]["numel"] == padded
+        assert ops["all_reduce[float32]"] == {"calls": 1, "numel": 4, "bytes": 16}
+        assert comms["last_step"]["total_numel"] == reduced + padded + 4
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_bf16_ledger_keeps_masters_and_state_for_the_owned_shard_only(stage: int) -> None:
+    for memory, _, numel, _ in run_ranks(_ledgers, 4, args=({"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}},)):
+        padded, shard = _padded(numel, 4)
+        held = memory["held"]
+        assert held["param16"]["cpu"] == 2 * padded
+        assert held["param32_master"]["cpu"] == 4 * shard
+        assert held["grad"]["cpu"] == 2 * (padded if stage == 1 else shard)
+        assert held["optim_state"]["cpu"] == 8 * shard + 4
+        # design.md §3, mixed precision: stage 1 = 4Ψ + 12Ψ/N, stage 2 = 2Ψ + 14Ψ/N (+ padding, + step)
+        expected = 4 * padded + 12 * shard if stage == 1 else 2 * padded + 14 * shard
+        assert memory["model_states"] == expected + 4
+
+
+# --- accumulation controls (found in review) ---------------------------------------------------
+
+
+def _no_sync_then_step(rank: int, world: int, stage: int):
+    engine = _engine({"zero_optimization": {"stage": stage}})
+    with engine.no_sync():
+        engine.backward(engine(*batch(rank, 0, 0)))
+    engine.step()  # the boundary step must reduce what no_sync left local
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_step_after_no_sync_reduces_before_updating(stage: int) -> None:
+    params0, params1 = run_ranks(_no_sync_then_step, 2, args=(stage,))
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1)), "ranks diverged"
+
+
+def _no_sync_at_stage2(rank: int, world: int):
+    engine = _engine({"zero_optimization": {"stage": 2}})
+    with engine.no_sync():
+        pass
+
+
+def test_no_sync_is_refused_at_stage_2() -> None:
+    with pytest.raises(RankFailed, match="no_sync.*not possible at ZeRO stage 2"):
+        run_ranks(_no_sync_at_stage2, 1)
+
+
+def _unmanaged(rank: int, world: int):
+    from zerodp import comm
+
+    engine = _engine({"managed_gradient_accumulation": False})
+    boundaries, traffic = [], []
+    for micro in range(3):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(*batch(rank, 0, micro)))
+        traffic.append(sum(r.numel for r in comm.ledger.current.values()))
+    engine.step()
+    return boundaries, traffic, engine.global_steps, comm.ledger.last_step
+
+
+def test_unmanaged_accumulation_reduces_once_inside_step() -> None:
+    for boundaries, traffic, steps, last_step in run_ranks(_unmanaged, 2):
+        assert boundaries == [False] * 3 and traffic == [0, 0, 0] and steps == 1
+        assert sum(r.calls for r in last_step.values()) == 1  # one all-reduce for three backwards
+
+
+def _two_backwards_and_empty_first_batch(rank: int, world: int):
+    engine = _engine({})
+    numel = sum(p.numel() for p in engine.module.parameters())
+    loss = engine(*batch(rank, 0, 0))
+    if rank == 1:  # rank 1's first boundary backward touches no parameter
+        loss = torch.zeros((), requires_grad=True)
+    engine.backward(loss)
+    engine.step()
+    for step in range(1, 3):  # two losses back-propagated in one boundary micro-batch
+        engine.backward(engine(*batch(rank, step, 0)), retain_graph=False)
+        engine.backward(engine(*batch(rank, step, 1)))
+        engine.step()
+    return engine.memory_report()["held"]["grad"]["cpu"], 4 * numel
+
+
+def test_layout_rebuild_neither_hangs_nor_grows() -> None:
+    for grad_bytes, expected in run_ranks(_two_backwards_and_empty_first_batch, 2, timeout=60):
+        assert grad_bytes == expected
+
+
+def _frozen_group_user_optimizer(rank: int, world: int, stage: int):
+    model = make_model()
+    model.fc1.requires_grad_(False)
+    optimizer = torch.optim.AdamW([{"params": list(model.fc1.parameters())},
+                                   {"params": [p for n, p in model.named_parameters() if not n.startswith("fc1")]}])
+    engine = _engine({"zero_optimization": {"stage": stage}}, model=model, optimizer=optimizer)
+    _micro(engine, rank, 0, 0)
+    return [len(g["params"]) for g in optimizer.param_groups]
+
+
+@pytest.mark.parametrize("stage,expected", [(0, [0, 5]), (1, [0, 1])])
+def test_user_optimizer_with_an_all_frozen_group(stage: int, expected: list[int]) -> None:
+    assert run_ranks(_frozen_group_user_optimizer, 1, args=(stage,)) == [expected]
+
+
+def _lbfgs(rank: int, world: int):
+    model = make_model()
+    _engine({"zero_optimization": {"stage": 1}}, model=model, optimizer=torch.optim.LBFGS(model.parameters()))
+
+
+def test_optimizers_that_are_not_elementwise_are_refused_on_shards() -> None:
+    with pytest.raises(RankFailed, match="LBFGS cannot run on ZeRO stage 1's owned shards"):
+        run_ranks(_lbfgs, 1)

@@ -86,9 +86,16 @@ def _known_world_size() -> int | None:
 
 
 def _make_scheduler(lr_scheduler: Any, cfg: ZeroDPConfig, optimizer: torch.optim.Optimizer) -> Any:
+    if callable(lr_scheduler):
+        return lr_scheduler(optimizer)
     if lr_scheduler is not None:
-        # An instance keeps working: the optimizer object is the user's own (re-pointed in place).
-        return lr_scheduler(optimizer) if callable(lr_scheduler) else lr_scheduler
+        # An instance keeps working when it was built on the optimizer passed in (re-pointed in place).
+        if getattr(lr_scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError(
+                "lr_scheduler was built on a different optimizer than the one zerodp steps: pass the "
+                "optimizer you built it on as optimizer=, or pass lr_scheduler as a callable(optimizer)"
+            )
+        return lr_scheduler
     if cfg.scheduler is None:
         return None
     from zerodp.lr_schedules import build_scheduler

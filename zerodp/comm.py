@@ -4,7 +4,7 @@ Each collective is recorded in a `CommLedger` (op, dtype, elements, bytes) so "h
 step communicate" is a query. Volumes follow the accounting of design.md §4, per rank, in elements
 of the collective's dtype: an all-reduce of Ψ elements counts 2Ψ (a reduce-scatter Ψ plus an
 all-gather Ψ, which is what a bandwidth-optimal all-reduce moves), a reduce-scatter counts its
-input, an all-gather its output, a broadcast its tensor.
+input, a reduce to one rank its tensor, an all-gather its output, a broadcast its tensor.
 
 Launch recipe (what `zerodp run` does for you):
     torchrun --standalone --nproc-per-node 2 train.py   # then zerodp.init_distributed() in train.py
@@ -29,7 +29,7 @@ DEFAULT_TIMEOUT_S = 600.0
 """Collective timeout (DeepSpeed's 10 minutes); override with $ZERODP_TIMEOUT (seconds)."""
 
 # Elements moved per element of the tensor handed to the collective (design.md §4).
-_TRAFFIC_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+_TRAFFIC_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "reduce": 1, "all_gather": 1, "broadcast": 1}
 
 
 @dataclass
@@ -197,6 +197,17 @@ def all_reduce(
     """In-place all-reduce of `tensor` over `group`."""
     ledger.record("all_reduce", tensor)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Sum `tensor` over ranks into global rank `dst`'s copy (one owner's piece of a reduce-scatter)."""
+    ledger.record("reduce", tensor)
+    return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> None:

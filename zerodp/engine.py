@@ -59,7 +59,9 @@ class Engine(nn.Module):
         self._global_grad_norm: float | None = None
         self._boundary_override: bool | None = None
         self._no_sync = False
-        self._last_loss: torch.Tensor | None = None
+        self._in_step = False  # managed_gradient_accumulation=false: the boundary is step() itself
+        self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses, for the metrics
+        self._num_losses = 0
         self._step_started = time.perf_counter()
         self.last_metrics: dict[str, Any] = {}
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
@@ -94,6 +96,49 @@ class Engine(nn.Module):
     def zero_optimization_stage(self) -> int:
         return self.config.zero_optimization.stage
 
+    def zero_optimization(self) -> bool:
+        """True when a ZeRO stage above 0 is on."""
+        return self.config.zero_optimization.stage > 0
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel world size (all ranks: zerodp has no model parallelism)."""
+        return comm.get_world_size()
+
+    mp_world_size = 1  # no model parallelism
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scaler.dynamic
+
+    def steps_per_print(self) -> int | None:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
+    def optimizer_name(self) -> str:
+        return type(self.optimizer).__name__
+
+    def scheduler_name(self) -> str | None:
+        return type(self.lr_scheduler).__name__ if self.lr_scheduler is not None else None
+
+    def get_mom(self) -> list:
+        """Momentum of each param group: Adam's betas, or SGD's momentum."""
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """The wrapped module's state dict (full parameters at stages 0-2)."""
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
     def get_lr(self) -> list[float]:
         """Current learning rate of each optimizer param group."""
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -115,7 +160,7 @@ class Engine(nn.Module):
         if self._boundary_override is not None:
             return self._boundary_override
         if not self.config.managed_gradient_accumulation:
-            return True
+            return self._in_step
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
@@ -124,7 +169,11 @@ class Engine(nn.Module):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward inside accumulates without communicating; step() inside is an error."""
+        """Backward inside accumulates without communicating; step() inside is an error. Not
+        available at stage 2, which reduces (and frees) gradients in every backward."""
+        if self.strategy.reduces_every_micro_batch:
+            raise RuntimeError(f"no_sync() is not possible at ZeRO stage {self.zero_optimization_stage()}: "
+                               "it reduces gradients in every backward; use stage 0 or 1")
         self._no_sync = True
         try:
             yield
@@ -148,7 +197,9 @@ class Engine(nn.Module):
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
         gas = self.config.gradient_accumulation_steps
         scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
-        self._last_loss = loss.detach()
+        detached = loss.detach().float()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        self._num_losses += 1
         with self.timers("bwd"):
             self.strategy.before_backward(boundary)
             to_backward = scaled * self.loss_scaler.loss_scale if self.loss_scaler.loss_scale != 1.0 else scaled
@@ -161,12 +212,17 @@ class Engine(nn.Module):
         the scheduler, zero gradients; elsewhere only count the micro-batch."""
         if self._no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave no_sync before the boundary step")
-        if self.is_gradient_accumulation_boundary():
-            with self.timers("step"):
-                self._take_model_step(lr_kwargs)
+        self._in_step = True
+        try:
+            if self.is_gradient_accumulation_boundary():
+                with self.timers("step"):
+                    self._take_model_step(lr_kwargs)
+        finally:
+            self._in_step = False
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        self.strategy.finish_reduction()
         overflow = self.check_overflow and self.strategy.found_overflow()
         scale = self.loss_scaler.loss_scale
         if overflow:
@@ -190,7 +246,7 @@ class Engine(nn.Module):
         now = time.perf_counter()
         self.last_metrics = {
             "step": self.global_steps,
-            "loss": float(self._last_loss) if self._last_loss is not None else None,
+            "loss": float(self._loss_sum) / self._num_losses if self._num_losses else None,
             "grad_norm": self._global_grad_norm if self._step_applied else None,
             "lr": self.get_lr()[0],
             "loss_scale": scale if self.config.fp16.enabled else None,
@@ -198,6 +254,7 @@ class Engine(nn.Module):
             "samples_per_s": self.config.train_batch_size / max(now - self._step_started, 1e-9),
         }
         self._step_started = now
+        self._loss_sum, self._num_losses = None, 0
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0:
             from zerodp.metrics import format_step
@@ -212,16 +269,20 @@ class Engine(nn.Module):
 
     # --- data and reports ---------------------------------------------------------------------
 
-    def deepspeed_io(self, dataset: Dataset, batch_size: int | None = None, collate_fn: Any = None,
-                     num_local_io_workers: int = 0) -> DataLoader:
-        """A DataLoader giving this rank its share of `dataset`, `batch_size` = the micro batch."""
-        sampler = DistributedSampler(
+    def deepspeed_io(self, dataset: Dataset, batch_size: int | None = None, route: str = "train",
+                     pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
+                     num_local_io_workers: int | None = None) -> DataLoader:
+        """A DataLoader giving this rank its share of `dataset` (DeepSpeed's signature): a shuffled
+        DistributedSampler unless `data_sampler` is given, `batch_size` = the micro batch. Call
+        `loader.sampler.set_epoch(epoch)` each epoch for a new order."""
+        sampler = data_sampler or DistributedSampler(
             dataset, num_replicas=comm.get_world_size(), rank=comm.get_rank(),
-            shuffle=True, drop_last=self.config.dataloader_drop_last,
+            shuffle=route == "train", drop_last=self.config.dataloader_drop_last,
         )
         return DataLoader(
             dataset, batch_size=batch_size or self.config.train_micro_batch_size_per_gpu, sampler=sampler,
-            collate_fn=collate_fn, num_workers=num_local_io_workers, drop_last=self.config.dataloader_drop_last,
+            collate_fn=collate_fn, num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory and self.device.type == "cuda", drop_last=self.config.dataloader_drop_last,
         )
 
     def memory_report(self) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 _MULTI_NODE_OPTIONS = {
     "--standalone", "--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_addr",
-    "--rdzv-backend", "--rdzv_backend", "--node-rank", "--node_rank",
+    "--rdzv-backend", "--rdzv_backend", "--node-rank", "--node_rank", "--master-port", "--master_port",
 }
 
 

@@ -80,10 +80,11 @@ def _repoint(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.opti
             "the optimizer passed to initialize() already has state (it has stepped); pass a fresh "
             "optimizer and restore state with engine.load_checkpoint()"
         )
-    if len(groups) != len(optimizer.param_groups):
-        raise AssertionError(f"{len(groups)} strategy groups for {len(optimizer.param_groups)} optimizer groups")
-    for mine, theirs in zip(optimizer.param_groups, groups):
-        mine["params"] = list(theirs["params"])
+    # param_groups_from dropped the groups with no trainable parameter, in order: match the rest.
+    remaining = iter(groups)
+    for group in optimizer.param_groups:
+        trainable = any(p.requires_grad for p in group["params"])
+        group["params"] = list(next(remaining)["params"]) if trainable else []
     return optimizer
 
 

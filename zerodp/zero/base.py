@@ -6,10 +6,11 @@ engine never branches on the stage number.
 
 [Note: step protocol]
 Per micro-batch the engine calls `before_backward(boundary)`, runs autograd, then
-`after_backward(boundary)`. Off the boundary a strategy only accumulates (no communication). At
-the boundary, after `after_backward`, every rank holds its reduced gradients and the engine calls
-`found_overflow()` (answer identical on every rank), then either `step(loss_scale, max_norm)` or
-nothing, then `zero_grad()`.
+`after_backward(boundary)`. Off the boundary a strategy only accumulates (no communication),
+unless it `reduces_every_micro_batch` (stage 2). At the boundary step the engine calls
+`finish_reduction()` (which reduces now if the boundary backward did not: `no_sync`, a forced
+boundary, `managed_gradient_accumulation: false`), `found_overflow()` (answer identical on every
+rank), then either `step(loss_scale, max_norm)` or nothing, then `zero_grad()`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class Strategy(abc.ABC):
     """Where params, grads and optimizer state live for one ZeRO stage, and how they move."""
 
     optimizer: torch.optim.Optimizer
+    reduces_every_micro_batch = False
+    """True when gradients are reduced in every backward (stage 2): `no_sync` cannot apply."""
 
     def __init__(self, config, policy: DtypePolicy, device: torch.device) -> None:
         self.config = config
@@ -53,6 +56,10 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def after_backward(self, boundary: bool) -> None:
         """Called after autograd; at the boundary, leave this rank's reduced gradients in place."""
+
+    @abc.abstractmethod
+    def finish_reduction(self) -> None:
+        """At the boundary step: reduce this step's gradients if no backward has done it yet."""
 
     @abc.abstractmethod
     def found_overflow(self) -> bool:

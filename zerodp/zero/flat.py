@@ -6,7 +6,8 @@ When gradients accumulate in the parameters' own dtype, each `.grad` is set to a
 buffer and autograd accumulates into it in place (torch DDP's `gradient_as_bucket_view`). When they
 accumulate in another dtype (bf16 params, `data_types.grad_accum_dtype: fp32`), autograd produces a
 16-bit `.grad`, which the post-accumulate-grad hook adds into the fp32 buffer and then drops. The
-hook also repairs a view that was replaced behind our back (a user's `model.zero_grad()`).
+hook also repairs a view that was replaced behind our back (a user's `model.zero_grad()`): the
+replacement holds the whole gradient, so it is copied in.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from zerodp import comm
+from zerodp.log import warn_once
 
 
 class FlatGradBuffer:
@@ -35,9 +37,14 @@ class FlatGradBuffer:
     def fold(self, p: nn.Parameter) -> None:
         """Called from `p`'s post-accumulate-grad hook: make sure its gradient is in the buffer."""
         view = self.view(p)
-        if self.hooked or p.grad.data_ptr() != view.data_ptr():
-            view.add_(p.grad)
-            p.grad = None if self.hooked else view
+        if self.hooked:
+            view.add_(p.grad)  # this backward's contribution only: .grad was None before it
+            p.grad = None
+        elif p.grad.data_ptr() != view.data_ptr():
+            # .grad was replaced (model.zero_grad() set it to None, or an out-of-place
+            # accumulation): the new tensor is the whole truth, so copy, never add.
+            view.copy_(p.grad)
+            p.grad = view
 
     def reset_grads(self) -> None:
         """Point every `.grad` back at its view (or None when hooked)."""
@@ -53,6 +60,10 @@ class FlatGradBuffer:
 def prepare_module(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Move `module` to `device`, cast its floating-point parameters and buffers to `dtype`
     (integer buffers untouched), and make every rank start from rank 0's values."""
+    found = {p.dtype for p in module.parameters() if p.is_floating_point()} - {dtype}
+    if found:
+        warn_once(f"casting the model's {sorted(map(str, found))} parameters to {dtype} (the config's precision); "
+                  'enable "bf16" or "fp16" in the config to train in 16 bits')
     module.to(device=device, dtype=dtype)
     _broadcast_from_rank0(module)
 

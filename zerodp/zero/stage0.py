@@ -57,7 +57,9 @@ class Stage0(Strategy):
         self.num_ranks = comm.get_world_size()
         self.bucket_numel = int(self.config.zero_optimization.reduce_bucket_size)
         self._layout(_initial_order(self.params, self.bucket_numel))
-        self.ready_order: list[nn.Parameter] | None = []  # recorded once, then None
+        self.ready_order: list[nn.Parameter] = []  # gradient-ready order of the first boundary backward
+        self.layout_final = False  # relaid in rank 0's ready order after the first step
+        self.reduced = False  # this optimizer step's gradients are all-reduced
         self.boundary = False
         self.step_grad32: torch.Tensor | None = None  # transient fp32 gradients of the step
         self.transient_peak_bytes = 0
@@ -88,15 +90,15 @@ class Stage0(Strategy):
 
     def _rebuild_in_ready_order(self) -> None:
         """After the first step: relayout in rank 0's gradient-ready order (see [Note: bucket order])."""
-        seen = set(self.ready_order)
-        order = self.ready_order + [p for p in reversed(self.params) if p not in seen]
+        ready = list(dict.fromkeys(self.ready_order))  # a parameter once, even after two backwards
+        order = ready + [p for p in reversed(self.params) if p not in set(ready)]
         index = {p: i for i, p in enumerate(self.params)}
-        ranks_order = torch.tensor([index[p] for p in order], dtype=torch.int64, device=comm.device_for_backend())
+        rank0_order = torch.tensor([index[p] for p in order], dtype=torch.int64, device=comm.device_for_backend())
         if self.num_ranks > 1:
             with comm.ledger.outside_step():
-                comm.broadcast(ranks_order, src=0)
-        self.ready_order = None
-        new_order = [self.params[i] for i in ranks_order.tolist()]
+                comm.broadcast(rank0_order, src=0)
+        self.ready_order, self.layout_final = [], True
+        new_order = [self.params[i] for i in rank0_order.tolist()]
         if any(a is not b for a, b in zip(new_order, self.order)):
             self._layout(new_order)
 
@@ -112,7 +114,7 @@ class Stage0(Strategy):
         self.grads.fold(p)
         if not self.boundary:
             return
-        if self.ready_order is not None:
+        if not self.layout_final:
             self.ready_order.append(p)
         b = self.bucket_of[p]
         if self.bucket_state[b] is not BucketState.FILLING:
@@ -141,13 +143,21 @@ class Stage0(Strategy):
             self.next_bucket += 1
 
     def after_backward(self, boundary: bool) -> None:
+        """At the boundary: launch what is left (parameters unused in this backward), wait for all."""
         if not boundary:
             return
-        self._launch_ready_buckets(force=True)  # buckets of parameters unused in this backward
+        self._launch_ready_buckets(force=True)
         for _, work in self.works:
             work.wait()
         self.bucket_state = [BucketState.REDUCED] * len(self.buckets)
         self.works = []
+        self.reduced = True
+
+    def finish_reduction(self) -> None:
+        """All-reduce every bucket now if no boundary backward did (no_sync, forced boundary)."""
+        if not self.reduced:
+            self._reset_buckets()
+            self.after_backward(True)
 
     # --- step ---------------------------------------------------------------------------------
 
@@ -192,8 +202,10 @@ class Stage0(Strategy):
         return self.masters, [m.grad for m in self.masters]
 
     def zero_grad(self) -> None:
-        if self.ready_order:
+        """Zero the flat gradient buffer; after the first reduced step, relay it out once."""
+        if self.reduced and not self.layout_final:  # every rank reaches this at the same step
             self._rebuild_in_ready_order()
+        self.reduced = False
         self.grads.zero()
 
     def _optimizer_groups(self, param_groups: list[dict]) -> list[dict]:

@@ -1,0 +1,345 @@
+"""Stages 1 and 2: optimizer states (stage 1) and gradients (stage 2) partitioned across ranks.
+
+Each param group is flattened into one flat parameter buffer (zero/layout.py's `group_layout`);
+the module's parameters become views into it. Rank r owns one equal shard of every group: its fp32
+master weights and optimizer state exist for that shard only, and the optimizer runs once per
+group over it (one tensor per group, so foreach/fused kernels see one flat tensor). After the
+step every rank all-gathers the updated shards back into the flat parameter buffers.
+
+[Note: where gradients are reduced]
+Stage 1 accumulates full-size gradients in a flat gradient buffer per group (`.grad` are views,
+see zero/flat.py) and reduce-scatters each group once, at the accumulation boundary: no
+communication between boundaries. Stage 2 keeps only the owned gradient shard: as backward
+produces gradients, post-accumulate-grad hooks pack them into buckets of `reduce_bucket_size`
+elements (contiguous ranges of a group's flat layout), each bucket's pieces are reduced to the
+ranks that own them while backward goes on, and the full-size gradients are freed. Like DeepSpeed,
+stage 2 reduces on every micro-batch, so with gradient accumulation it communicates Ψ per
+micro-batch instead of once per step: that is the price of never holding full gradients.
+`reduce_scatter: false` all-reduces each bucket instead (2x the traffic, DeepSpeed's fallback).
+
+[Note: global norm and overflow]
+The gradient norm and the inf/nan flag are computed on each rank's owned shards and combined in
+one 2-element all-reduce (sum of squares, overflow count), so every rank takes the same decision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zerodp import comm
+from zerodp.memory import Category, MemoryLedger, nbytes, optimizer_state_tensors
+from zerodp.precision import first_nonfinite, has_inf_or_nan
+from zerodp.zero.base import OptimizerFactory, Strategy
+from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
+from zerodp.zero.layout import Bucket, GroupLayout, assign_buckets, group_layout, owner_pieces
+from zerodp.zero.stage0 import BucketState
+
+ELEMENTWISE_OPTIMIZERS = frozenset(
+    {"SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adadelta", "ASGD"}
+)
+"""torch optimizers whose update of an element depends only on that element's history, so running
+them on a shard is exact. Others need `zero_allow_untested_optimizer: true`."""
+
+MAX_BUCKETS_IN_FLIGHT = 2
+"""Stage 2 buckets being reduced at once (double buffering, as DeepSpeed's overlap_comm)."""
+
+
+class FlatGroup:
+    """One param group flattened into `flat_param`; this rank owns `flat_param[owned]`."""
+
+    def __init__(self, params: list[nn.Parameter], layout: GroupLayout, rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.params = params
+        self.layout = layout
+        self.flat_param = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, offset in zip(params, layout.offsets):
+                view = self.flat_param[offset : offset + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view  # the module now computes with the flat buffer
+        start, stop = layout.owned_range(rank)
+        self.owned = slice(start, stop)
+        owned = self.flat_param[self.owned]
+        # fp32 training: the owned slice is its own master; 16-bit: an fp32 copy.
+        self.master = owned if dtype == torch.float32 else owned.float()
+        self.flat_grad: FlatGradBuffer | None = None  # stage 1: full-size accumulation
+        self.owned_grad: torch.Tensor | None = None  # stage 1: reduced at the boundary; stage 2: persistent
+
+    @property
+    def separate_master(self) -> bool:
+        """True for 16-bit params (an fp32 copy); in fp32 the master is the owned slice itself."""
+        return self.master.dtype != self.flat_param.dtype
+
+    def named_owned_grads(self, names: dict) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, its piece of the owned gradient shard), in flat order."""
+        start = self.owned.start
+        return [(names.get(self.params[s.index], "?"), self.owned_grad[s.flat_offset - start : s.flat_offset - start + s.numel])
+                for s in self.layout.slices_in(self.owned.start, self.owned.stop)]
+
+    def publish(self, num_ranks: int) -> None:
+        """Write the updated master shard into the flat buffer and all-gather every rank's shard."""
+        owned = self.flat_param[self.owned]
+        if self.separate_master:
+            owned.copy_(self.master)
+        if num_ranks > 1:
+            comm.all_gather_into_tensor(self.flat_param, owned.clone())
+
+
+@dataclass
+class _InFlight:
+    """A stage-2 bucket whose pieces are being reduced to their owners."""
+
+    group: FlatGroup
+    start: int  # flat offset of the bucket in its group
+    buffer: torch.Tensor
+    works: list
+
+
+class Stage12(Strategy):
+    """What stages 1 and 2 share; stage 1's gradient handling (stage 2 overrides it)."""
+
+    def wrap(self, module: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> None:
+        self.module = module
+        prepare_module(module, self.policy.param_dtype, self.device)
+        self.rank, self.num_ranks = comm.get_rank(), comm.get_world_size()
+        order = trainable_in_registration_order(module, param_groups)
+        self.position = {p: i for i, p in enumerate(order)}
+        self.names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
+        self.groups = [self._flat_group(g["params"]) for g in param_groups]
+        self.group_of = {p: fg for fg in self.groups for p in fg.params}
+        self._init_gradients()
+        for p in order:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.optimizer = make_optimizer([{**g, "params": [fg.master]} for g, fg in zip(param_groups, self.groups)])
+        _check_elementwise(self.optimizer, self.config)
+        self._stats: torch.Tensor | None = None
+        self.transient_peak: dict[str, int] = {}
+
+    def _flat_group(self, params: list[nn.Parameter]) -> FlatGroup:
+        params = sorted(params, key=self.position.__getitem__)  # flat order = registration order
+        layout = group_layout([p.numel() for p in params], self.num_ranks)
+        return FlatGroup(params, layout, self.rank, self.policy.param_dtype, self.device)
+
+    def _note_transient(self, name: str, tensor: torch.Tensor) -> None:
+        self.transient_peak[name] = max(self.transient_peak.get(name, 0), nbytes(tensor))
+
+    # --- gradients: stage 1 -------------------------------------------------------------------
+
+    def _init_gradients(self) -> None:
+        for fg in self.groups:
+            fg.flat_grad = FlatGradBuffer(fg.params, list(fg.layout.offsets), fg.layout.padded_numel,
+                                          self.policy.grad_accum_dtype, self.device)
+
+    def before_backward(self, boundary: bool) -> None:
+        self._stats = None
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self.group_of[p].flat_grad.fold(p)
+
+    def finish_reduction(self) -> None:
+        """Reduce-scatter now if no boundary backward did (no_sync, forced boundary)."""
+        if self.groups[0].owned_grad is None:
+            self.after_backward(True)
+
+    def after_backward(self, boundary: bool) -> None:
+        """At the boundary: reduce-scatter every group's full gradients into the owned shards."""
+        if not boundary:
+            return
+        works = []
+        for fg in self.groups:
+            full = fg.flat_grad.buffer
+            if self.num_ranks == 1:
+                fg.owned_grad = full
+                continue
+            full.mul_(1.0 / self.num_ranks)  # mean, divided before the sum as DDP does
+            fg.owned_grad = torch.empty(fg.layout.shard_numel, dtype=full.dtype, device=full.device)
+            self._note_transient("reduced_grad_shard", fg.owned_grad)
+            works.append(comm.reduce_scatter_tensor(fg.owned_grad, full, async_op=True))
+        for work in works:
+            work.wait()
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def _global_stats(self) -> torch.Tensor:
+        """[sum of squares of all owned gradients, number of ranks with inf/nan], same on every rank."""
+        if self._stats is None:
+            grads = [fg.owned_grad for fg in self.groups]
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            stats = torch.stack([torch.stack(norms).square().sum(), has_inf_or_nan(grads).to(torch.float32)])
+            if self.num_ranks > 1:
+                comm.all_reduce(stats)
+            self._stats = stats
+        return self._stats
+
+    def found_overflow(self) -> bool:
+        return bool(self._global_stats()[1].item() > 0)
+
+    def first_overflow_name(self) -> str | None:
+        return first_nonfinite(piece for fg in self.groups for piece in fg.named_owned_grads(self.names))
+
+    @torch.no_grad()
+    def step(self, loss_scale: float, max_norm: float) -> float:
+        total_norm = math.sqrt(float(self._global_stats()[0])) / loss_scale
+        coef = 1.0 / loss_scale
+        if max_norm > 0:
+            # torch.nn.utils.clip_grad_norm_'s rule, on the true global norm over all shards
+            coef *= min(1.0, max_norm / (total_norm + 1e-6))
+        for fg in self.groups:
+            grad = fg.owned_grad if fg.owned_grad.dtype == torch.float32 else fg.owned_grad.float()
+            if grad is not fg.owned_grad:
+                self._note_transient("step_grad_fp32", grad)
+            if coef != 1.0:
+                grad.mul_(coef)
+            fg.master.grad = grad
+        self.optimizer.step()
+        for fg in self.groups:
+            fg.master.grad = None
+            fg.publish(self.num_ranks)
+        return total_norm
+
+    def zero_grad(self) -> None:
+        self._stats = None
+        for fg in self.groups:
+            fg.flat_grad.zero()
+            fg.owned_grad = None
+
+    # --- reports -------------------------------------------------------------------------------
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [fg.flat_grad.buffer for fg in self.groups]
+
+    def ledger(self) -> MemoryLedger:
+        led = MemoryLedger()
+        trainable = set(self.group_of)
+        tensors = [fg.flat_param for fg in self.groups] + [p for p in self.module.parameters() if p not in trainable]
+        for t in tensors:  # the fp32 params are their own master
+            led.add(Category.PARAM32_MASTER if t.dtype == torch.float32 else Category.PARAM16, t)
+        led.add(Category.PARAM32_MASTER, [fg.master for fg in self.groups if fg.separate_master])
+        led.add(Category.GRAD, self._grad_tensors())
+        led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer))
+        led.add(Category.BUFFER, list(self.module.buffers()))
+        led.transient_peak.update(self.transient_peak)
+        return led
+
+
+class Stage1(Stage12):
+    """ZeRO stage 1: optimizer states partitioned."""
+
+
+class Stage2(Stage12):
+    """ZeRO stage 2: optimizer states and gradients partitioned; buckets reduced during backward."""
+
+    reduces_every_micro_batch = True
+
+    def _init_gradients(self) -> None:
+        zero = self.config.zero_optimization
+        self.use_reduce = zero.reduce_scatter
+        for fg in self.groups:
+            fg.owned_grad = torch.zeros(fg.layout.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.device)
+        # Every group's buckets, the last parameters' first: that is when backward produces them.
+        buckets = [(fg, b) for fg in self.groups
+                   for b in assign_buckets(list(fg.layout.numels), int(zero.reduce_bucket_size))]
+        buckets.sort(key=lambda fb: -self.position[fb[0].params[fb[1].last - 1]])
+        self.buckets: list[tuple[FlatGroup, Bucket]] = buckets
+        self.bucket_of = {p: k for k, (fg, b) in enumerate(buckets) for p in fg.params[b.first : b.last]}
+        self._reset_buckets()
+
+    def _reset_buckets(self) -> None:
+        self.bucket_state = [BucketState.FILLING] * len(self.buckets)
+        self.pending = [b.last - b.first for _, b in self.buckets]
+        self.next_bucket = 0
+        self.in_flight: list[_InFlight] = []
+
+    def before_backward(self, boundary: bool) -> None:
+        self._stats = None
+        self._reset_buckets()
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        k = self.bucket_of[p]
+        if self.bucket_state[k] is not BucketState.FILLING:
+            raise RuntimeError(
+                f"gradient of '{self.names.get(p, '?')}' was produced twice in one backward after its bucket "
+                "was reduced (reentrant activation checkpointing, or several backward() calls per micro-batch); "
+                "use non-reentrant checkpointing or one backward per micro-batch"
+            )
+        self.pending[k] -= 1
+        if self.pending[k] == 0:
+            self.bucket_state[k] = BucketState.READY
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self, force: bool = False) -> None:
+        """Reduce buckets strictly in sequence order (same collectives in the same order on all ranks)."""
+        while self.next_bucket < len(self.buckets):
+            k = self.next_bucket
+            if not (force or self.bucket_state[k] is BucketState.READY):
+                return
+            self._launch(*self.buckets[k])
+            self.bucket_state[k] = BucketState.REDUCING
+            self.next_bucket += 1
+
+    def _launch(self, fg: FlatGroup, bucket: Bucket) -> None:
+        """Pack the bucket's gradients (freeing them), then reduce each owner's piece to its owner."""
+        start = fg.layout.offsets[bucket.first]
+        stop = fg.layout.offsets[bucket.last - 1] + fg.layout.numels[bucket.last - 1]
+        buffer = torch.zeros(stop - start, dtype=self.policy.grad_accum_dtype, device=self.device)
+        for p, offset in zip(fg.params[bucket.first : bucket.last], fg.layout.offsets[bucket.first : bucket.last]):
+            if p.grad is not None:  # None: unused in this backward
+                buffer[offset - start : offset - start + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        self._note_transient("reduce_bucket", buffer)
+        works = []
+        if self.num_ranks > 1:
+            buffer.mul_(1.0 / self.num_ranks)
+            if self.use_reduce:
+                works = [comm.reduce(buffer[a - start : b - start], dst=r, async_op=True)
+                         for r, a, b in owner_pieces(start, stop, fg.layout.shard_numel)]
+            else:
+                works = [comm.all_reduce(buffer, async_op=True)]
+        self.in_flight.append(_InFlight(fg, start, buffer, works))
+        if len(self.in_flight) > MAX_BUCKETS_IN_FLIGHT:
+            self._finish(self.in_flight.pop(0))
+
+    def _finish(self, flight: _InFlight) -> None:
+        """Wait for a bucket and add this rank's piece into its owned gradient shard."""
+        for work in flight.works:
+            work.wait()
+        fg, start = flight.group, flight.start
+        stop = start + flight.buffer.numel()
+        for r, a, b in owner_pieces(start, stop, fg.layout.shard_numel):
+            if r == self.rank:
+                fg.owned_grad[a - fg.owned.start : b - fg.owned.start] += flight.buffer[a - start : b - start]
+
+    def after_backward(self, boundary: bool) -> None:
+        """Every micro-batch: launch what is left (parameters unused in this backward), wait for all."""
+        self._launch_ready_buckets(force=True)
+        while self.in_flight:
+            self._finish(self.in_flight.pop(0))
+
+    def finish_reduction(self) -> None:
+        """Nothing to do: every backward has already reduced its gradients."""
+
+    def zero_grad(self) -> None:
+        self._stats = None
+        for fg in self.groups:
+            fg.owned_grad.zero_()
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [fg.owned_grad for fg in self.groups]
+
+
+def _check_elementwise(optimizer: torch.optim.Optimizer, config) -> None:
+    """Refuse optimizers that would compute whole-tensor statistics over a shard."""
+    name = type(optimizer).__name__
+    if name in ELEMENTWISE_OPTIMIZERS or config.zero_allow_untested_optimizer:
+        return
+    raise ValueError(
+        f"{name} cannot run on ZeRO stage {config.zero_optimization.stage}'s owned shards: each rank updates "
+        f"a flat slice that cuts across parameters, which is exact only for element-wise optimizers "
+        f"({', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}). Optimizers with whole-tensor statistics (LBFGS, "
+        f"Adafactor, Shampoo, Muon) would compute them over the wrong elements. If {name} is element-wise, "
+        'set "zero_allow_untested_optimizer": true.'
+    )
