@@ -4,7 +4,7 @@
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config="ds_config.json")
 """
 
-from zerodp import comm
+from zerodp import checkpointing, comm
 from zerodp.api import initialize
 from zerodp.comm import init_distributed
 from zerodp.config import ConfigError, ZeroDPConfig, add_config_arguments, load_config
@@ -21,6 +21,7 @@ __all__ = [
     "ZeroDPConfig",
     "__version__",
     "add_config_arguments",
+    "checkpointing",
     "comm",
     "init_distributed",
     "initialize",

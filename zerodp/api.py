@@ -9,7 +9,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from zerodp import comm
+from zerodp import checkpointing, comm
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.engine import Engine
 from zerodp.log import logger
@@ -68,6 +68,8 @@ def initialize(
     strategy = strategy_cls(cfg, policy, device)
     strategy.wrap(model, groups, make_optimizer)
     scheduler = _make_scheduler(lr_scheduler, cfg, strategy.optimizer)
+    if cfg.activation_checkpointing != type(cfg.activation_checkpointing)():
+        checkpointing.configure(deepspeed_config=cfg)
     engine = Engine(model, cfg, strategy, scheduler, training_data, collate_fn)
     comm.ledger.end_init()
     logger.info("zerodp: stage %d, %s, %s", cfg.zero_optimization.stage, cfg.precision, cfg.batch.describe())

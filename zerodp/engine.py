@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from zerodp import comm
+from zerodp import checkpointing, comm
 from zerodp.config import ZeroDPConfig
 from zerodp.log import log_rank0
 from zerodp.precision import make_loss_scaler, overflow_message
@@ -62,6 +62,9 @@ class Engine(nn.Module):
         self._in_step = False  # managed_gradient_accumulation=false: the boundary is step() itself
         self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses, for the metrics
         self._num_losses = 0
+        self._param_storages = checkpointing.storage_keys(module.parameters())  # not activations
+        self._saved_peak: dict[str, int] = {}  # saved-activation bytes, this step's largest micro-batch
+        self.saved_activations_peak: dict[str, int] = {}  # ... of the last completed step
         self._step_started = time.perf_counter()
         self.last_metrics: dict[str, Any] = {}
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
@@ -186,8 +189,11 @@ class Engine(nn.Module):
         """Run the wrapped module (inputs cast to fp16 when `fp16.auto_cast`)."""
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
-        with self.timers("fwd"):
-            return self.module(*args, **kwargs)
+        with self.timers("fwd"), checkpointing.count_saved_activations(self._param_storages) as saved:
+            out = self.module(*args, **kwargs)
+        if saved.total > sum(self._saved_peak.values()):
+            self._saved_peak = dict(saved.bytes_by_tier)
+        return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of `loss` / gradient_accumulation_steps x loss scale; returns the loss divided by
@@ -255,13 +261,17 @@ class Engine(nn.Module):
         }
         self._step_started = now
         self._loss_sum, self._num_losses = None, 0
+        self.saved_activations_peak, self._saved_peak = self._saved_peak, {}
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0:
             from zerodp.metrics import format_step
 
             log_rank0(format_step(self.last_metrics))
             if self.config.wall_clock_breakdown:
-                log_rank0("time (ms): %s", " | ".join(f"{k} {v * 1e3:.1f}" for k, v in self.timers.take().items()))
+                times = self.timers.take()
+                if checkpointing.options.profile:
+                    times["recompute"] = checkpointing.profile.take()["recompute_s"]
+                log_rank0("time (ms): %s", " | ".join(f"{k} {v * 1e3:.1f}" for k, v in times.items()))
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (the boundary step already does this)."""
@@ -286,8 +296,10 @@ class Engine(nn.Module):
         )
 
     def memory_report(self) -> dict:
-        """Bytes this rank holds, by category and tier (see zerodp.memory), plus transient peaks."""
-        return self.strategy.ledger().report()
+        """Bytes this rank holds, by category and tier (see zerodp.memory), plus transient peaks,
+        plus `activations`: what autograd saved for backward at the peak of the last step, by tier
+        (zerodp.checkpointing's [Note: counting saved activations])."""
+        return {**self.strategy.ledger().report(), "activations": dict(self.saved_activations_peak)}
 
     def comm_report(self) -> dict:
         """Collectives per op and dtype, in elements and bytes: of the last optimizer step, of

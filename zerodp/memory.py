@@ -86,12 +86,10 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 
 def format_ledger(report: dict, fmt_bytes) -> list[str]:
-    """Render `MemoryLedger.report()` as aligned lines, one per category and tier."""
-    lines = []
-    for category, tiers in report["held"].items():
-        for tier, b in tiers.items():
-            lines.append(f"  {category:<15} {tier:<5} {fmt_bytes(b):>12}")
-    lines.append(f"  {'model states':<21} {fmt_bytes(report['model_states']):>12}")
-    for name, b in report["transient_peak"].items():
-        lines.append(f"  {'transient':<15} {name:<5} {fmt_bytes(b):>12}")
-    return lines
+    """Render `MemoryLedger.report()` as aligned lines: one per category and tier, the model-state
+    total, then each transient peak."""
+    rows = [(f"{category} ({tier})", b) for category, tiers in report["held"].items() for tier, b in tiers.items()]
+    rows.append(("model states", report["model_states"]))
+    rows += [(f"transient peak: {name}", b) for name, b in report["transient_peak"].items()]
+    width = max(len(label) for label, _ in rows)
+    return [f"  {label:<{width}} {fmt_bytes(b):>12}" for label, b in rows]

@@ -91,7 +91,7 @@ def _summary(engine: zerodp.Engine, losses: list[float], seconds: float, tokens:
     out.write(f"communication per step, rank {engine.global_rank}: {step['total_numel']:,} elements "
               f"({format_bytes(step['total_bytes'])})\n")
     for op, rec in step["ops"].items():
-        out.write(f"  {op:<22} {rec['calls']:>4} calls {rec['numel']:>12,} elements {format_bytes(rec['bytes']):>12}\n")
+        out.write(f"  {op:<26} {rec['calls']:>4} calls {rec['numel']:>12,} elements {format_bytes(rec['bytes']):>12}\n")
 
 
 class _Null:

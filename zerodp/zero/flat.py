@@ -60,10 +60,10 @@ class FlatGradBuffer:
 def prepare_module(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Move `module` to `device`, cast its floating-point parameters and buffers to `dtype`
     (integer buffers untouched), and make every rank start from rank 0's values."""
-    found = {p.dtype for p in module.parameters() if p.is_floating_point()} - {dtype}
-    if found:
-        warn_once(f"casting the model's {sorted(map(str, found))} parameters to {dtype} (the config's precision); "
-                  'enable "bf16" or "fp16" in the config to train in 16 bits')
+    narrow = {p.dtype for p in module.parameters() if p.is_floating_point() and p.element_size() < 4}
+    if dtype == torch.float32 and narrow:
+        warn_once(f"casting the model's {sorted(map(str, narrow))} parameters to fp32, which doubles their "
+                  'memory: the config enables neither "bf16" nor "fp16"; enable one to train in 16 bits')
     module.to(device=device, dtype=dtype)
     _broadcast_from_rank0(module)
 
