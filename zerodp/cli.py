@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage (default 0)")
     demo.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="precision (default fp32)")
     demo.add_argument("--config", default=None, help="a DeepSpeed JSON config to start from (flags override it)")
+    demo.add_argument("--activation-checkpointing", action="store_true",
+                      help="checkpoint every transformer block (compare the saved-activation bytes with and without)")
     demo.set_defaults(func=_cmd_demo)
     return parser
 
@@ -118,6 +120,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         argv = ["--nproc-per-node", str(args.nproc), "-m", "zerodp.demo.train", "--config", path]
         if args.steps is not None:
             argv += ["--steps", str(args.steps)]
+        if args.activation_checkpointing:
+            argv.append("--activation-checkpointing")
         return _cmd_run(argv)
 
 

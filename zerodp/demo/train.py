@@ -1,7 +1,7 @@
 """The per-rank training script behind `zerodp demo` (run by torchrun, one process per rank).
 
-    zerodp demo --nproc 2 --stage 0 --dtype bf16 --steps 100
-    # is: zerodp run --standalone --nproc-per-node 2 -m zerodp.demo.train --config CFG --steps 100
+    zerodp demo --nproc 2 --stage 1 --dtype bf16 --steps 100 --activation-checkpointing
+    # is: zerodp run --standalone --nproc-per-node 2 -m zerodp.demo.train --config CFG --steps 100 ...
 
 Rank 0 draws the progress bar and writes the summary (loss first -> last, the memory ledger by
 category, the communication of one step, the batch math) to stdout.
@@ -10,6 +10,7 @@ category, the communication of one step, the batch math) to stdout.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -44,15 +45,17 @@ def demo_config(path: str | None = None, stage: int | None = None, dtype: str | 
     if dtype is not None:
         config.pop("bf16", None)
         config.pop("fp16", None)
-        config.update(json.loads(json.dumps(_DTYPE_SECTIONS[dtype])))
+        config.update(copy.deepcopy(_DTYPE_SECTIONS[dtype]))
     return config
 
 
-def train(config: dict, steps: int, out: TextIO) -> None:
+def train(config: dict, steps: int, out: TextIO, activation_checkpointing: bool = False) -> None:
     """Train TinyGPT on the copy task for `steps` optimizer steps; rank 0 reports to `out`."""
     zerodp.init_distributed()
     torch.manual_seed(0)
     model = TinyGPT(DEMO_DEFAULT)
+    if activation_checkpointing:
+        zerodp.checkpointing.apply(model, policy="blocks")
     cfg = zerodp.load_config(config, world_size=zerodp.comm.get_world_size())
     dataset = SyntheticTaskDataset(steps * cfg.train_batch_size, DEMO_DEFAULT.seq_len, DEMO_DEFAULT.vocab_size, seed=0)
     engine, _, loader, _ = zerodp.initialize(model=model, config=config, training_data=dataset)
@@ -85,8 +88,11 @@ def train(config: dict, steps: int, out: TextIO) -> None:
 def _summary(engine: zerodp.Engine, losses: list[float], seconds: float, tokens: int, out: TextIO) -> None:
     out.write(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps in {seconds:.1f} s "
               f"({tokens / seconds:,.0f} tokens/s, {engine.skipped_steps} skipped)\n")
+    report = engine.memory_report()
     out.write(f"memory ledger, rank {engine.global_rank}:\n")
-    out.write("\n".join(format_ledger(engine.memory_report(), format_bytes)) + "\n")
+    out.write("\n".join(format_ledger(report, format_bytes)) + "\n")
+    saved = sum(report["activations"].values())
+    out.write(f"activations saved for backward, peak of the last step: {format_bytes(saved)}\n")
     step = engine.comm_report()["last_step"]
     out.write(f"communication per step, rank {engine.global_rank}: {step['total_numel']:,} elements "
               f"({format_bytes(step['total_bytes'])})\n")
@@ -111,8 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="zerodp.demo.train")
     parser.add_argument("--config", default=None, help="DeepSpeed JSON config (default: the demo's)")
     parser.add_argument("--steps", type=int, default=DEMO_STEPS, help=f"optimizer steps (default {DEMO_STEPS})")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every block")
     args = parser.parse_args(argv)
-    train(demo_config(args.config), args.steps, sys.stdout)
+    train(demo_config(args.config), args.steps, sys.stdout, args.activation_checkpointing)
 
 
 if __name__ == "__main__":
