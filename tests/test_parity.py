@@ -19,7 +19,6 @@ with SGD the same runs differ by 1.5e-8).
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import pytest
 import torch

@@ -222,14 +222,17 @@ def all_gather_into_tensor(
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> dist.Work | None:
-    """Gather every rank's `input` into `output` (rank-major, world x input.numel()).
+    """Gather every rank's `input` into `output` (rank-major, world x input.numel()). `input` may
+    be this rank's chunk of `output` (in place, as NCCL allows).
 
     On gloo, one broadcast per rank (see [Note: gloo collectives])."""
     ledger.record("all_gather", output)
     if not _is_gloo(group):
         return _all_gather_single(output, input, group=group, async_op=async_op)
     chunks = output.view(-1).chunk(get_world_size(group))
-    chunks[get_rank(group)].copy_(input.view(-1))
+    mine = chunks[get_rank(group)]
+    if mine.data_ptr() != input.data_ptr():  # in place when `input` is already this rank's chunk
+        mine.copy_(input.view(-1))
     works = [dist.broadcast(chunk, src=_global(group, r), group=group, async_op=True) for r, chunk in enumerate(chunks)]
     return _finish(_Works(works), async_op)
 

@@ -58,10 +58,8 @@ from zerodp.config_schema import (
     TorchAutocastConfig,
     ZeroConfig,
     ZeroDPConfig,
-    did_you_mean,
-    semantic_problems,
-    show_value,
 )
+from zerodp.config_rules import did_you_mean, semantic_problems, show_value
 from zerodp.log import log_rank0, warn_once
 
 __all__ = [

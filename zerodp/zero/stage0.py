@@ -5,10 +5,9 @@ gradient buffer; each parameter's `.grad` is a view into it (`gradient_as_bucket
 words), so autograd accumulates micro-batches in place and a bucket is a contiguous slice that is
 all-reduced without a copy.
 
-[Note: bucket order]
-Buckets are launched strictly in index order from post-accumulate-grad hooks on the boundary
-micro-batch, so every rank issues the same collectives in the same order even when gradients
-become ready in a different order. The first layout cuts buckets in registration order and puts the last
+[Note: stage-0 layout]
+Buckets are launched in index order from post-accumulate-grad hooks on the boundary micro-batch
+(zero/buckets.py's [Note: bucket order]). The first layout cuts buckets in registration order and puts the last
 bucket first; after the first optimizer step the layout is rebuilt in the order gradients actually became ready on rank 0
 (broadcast to all ranks), so buckets fill front to back during backward, as DDP does. Using the same
 rule as DDP also gives the same element positions in each all-reduce, which is what makes fp32
@@ -24,8 +23,6 @@ cast once into a transient fp32 buffer for the masters (or used directly when al
 
 from __future__ import annotations
 
-from enum import Enum
-
 import torch
 from torch import nn
 
@@ -34,16 +31,8 @@ from zerodp.memory import Category, MemoryLedger, nbytes, optimizer_state_tensor
 from zerodp.precision import first_nonfinite, has_inf_or_nan
 from zerodp.zero.base import OptimizerFactory, Strategy
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
-from zerodp.zero.layout import Bucket, assign_buckets, flat_offsets
-
-
-class BucketState(Enum):
-    """Where a reduce bucket is within the boundary micro-batch's backward."""
-
-    FILLING = "filling"  # some of its gradients are not final yet
-    READY = "ready"  # all final, waiting for earlier buckets to launch first
-    REDUCING = "reducing"  # all-reduce in flight
-    REDUCED = "reduced"  # all-reduce finished
+from zerodp.zero.buckets import BucketSequence
+from zerodp.zero.layout import assign_buckets, flat_offsets
 
 
 class Stage0(Strategy):
@@ -77,19 +66,11 @@ class Stage0(Strategy):
         self.grads = FlatGradBuffer(order, flat_offsets(numels), sum(numels), self.policy.grad_accum_dtype, self.device)
         self.buckets = assign_buckets(numels, self.bucket_numel)
         self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in order[bucket.first : bucket.last]}
-        self._reset_buckets()
-
-    def _bucket_slice(self, bucket: Bucket) -> torch.Tensor:
-        return self.grads.buffer[bucket.start : bucket.stop]
-
-    def _reset_buckets(self) -> None:
-        self.bucket_state = [BucketState.FILLING] * len(self.buckets)
-        self.pending = [b.last - b.first for b in self.buckets]
-        self.works: list[tuple[int, comm.dist.Work | None]] = []
-        self.next_bucket = 0
+        self.sequence = BucketSequence([b.last - b.first for b in self.buckets], self._launch)
+        self.works: list = []  # all-reduces in flight
 
     def _rebuild_in_ready_order(self) -> None:
-        """After the first step: relayout in rank 0's gradient-ready order (see [Note: bucket order])."""
+        """After the first step: relayout in rank 0's gradient-ready order (see [Note: stage-0 layout])."""
         ready = list(dict.fromkeys(self.ready_order))  # a parameter once, even after two backwards
         order = ready + [p for p in reversed(self.params) if p not in set(ready)]
         index = {p: i for i, p in enumerate(self.params)}
@@ -107,7 +88,7 @@ class Stage0(Strategy):
     def before_backward(self, boundary: bool) -> None:
         self.boundary = boundary
         if boundary:
-            self._reset_buckets()
+            self.sequence.reset()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook: fold the gradient into the flat buffer, launch ready buckets."""
@@ -116,47 +97,29 @@ class Stage0(Strategy):
             return
         if not self.layout_final:
             self.ready_order.append(p)
-        b = self.bucket_of[p]
-        if self.bucket_state[b] is not BucketState.FILLING:
-            raise RuntimeError(
-                f"gradient of '{self.names.get(p, '?')}' was produced twice in one backward after its "
-                "bucket was reduced; this happens with reentrant activation checkpointing or several "
-                "backward() calls per micro-batch. Use non-reentrant checkpointing "
-                "(torch.utils.checkpoint(..., use_reentrant=False) or zerodp.checkpointing) or one backward."
-            )
-        self.pending[b] -= 1
-        if self.pending[b] == 0:
-            self.bucket_state[b] = BucketState.READY
-            self._launch_ready_buckets()
+        self.sequence.grad_ready(self.bucket_of[p], self.names.get(p, "?"))
 
-    def _launch_ready_buckets(self, force: bool = False) -> None:
-        """Start all-reduces for buckets in index order; `force` also starts unfinished ones."""
-        while self.next_bucket < len(self.buckets):
-            b = self.next_bucket
-            if not (force or self.bucket_state[b] is BucketState.READY):
-                return
-            grads = self._bucket_slice(self.buckets[b])
-            if self.num_ranks > 1:
-                grads.mul_(1.0 / self.num_ranks)  # mean, divided before the sum as DDP does
-                self.works.append((b, comm.all_reduce(grads, async_op=True)))
-            self.bucket_state[b] = BucketState.REDUCING
-            self.next_bucket += 1
+    def _launch(self, b: int) -> None:
+        """Start bucket b's all-reduce (a slice of the flat buffer: no copy)."""
+        if self.num_ranks > 1:
+            grads = self.grads.buffer[self.buckets[b].start : self.buckets[b].stop]
+            grads.mul_(1.0 / self.num_ranks)  # mean, divided before the sum as DDP does
+            self.works.append(comm.all_reduce(grads, async_op=True))
 
     def after_backward(self, boundary: bool) -> None:
         """At the boundary: launch what is left (parameters unused in this backward), wait for all."""
         if not boundary:
             return
-        self._launch_ready_buckets(force=True)
-        for _, work in self.works:
+        self.sequence.launch_in_order(force=True)
+        for work in self.works:
             work.wait()
-        self.bucket_state = [BucketState.REDUCED] * len(self.buckets)
         self.works = []
         self.reduced = True
 
     def finish_reduction(self) -> None:
         """All-reduce every bucket now if no boundary backward did (no_sync, forced boundary)."""
         if not self.reduced:
-            self._reset_buckets()
+            self.sequence.reset()
             self.after_backward(True)
 
     # --- step ---------------------------------------------------------------------------------

@@ -34,9 +34,9 @@ from zerodp import comm
 from zerodp.memory import Category, MemoryLedger, nbytes, optimizer_state_tensors
 from zerodp.precision import first_nonfinite, has_inf_or_nan
 from zerodp.zero.base import OptimizerFactory, Strategy
+from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
 from zerodp.zero.layout import Bucket, GroupLayout, assign_buckets, group_layout, owner_pieces
-from zerodp.zero.stage0 import BucketState
 
 ELEMENTWISE_OPTIMIZERS = frozenset(
     {"SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adadelta", "ASGD"}
@@ -86,7 +86,7 @@ class FlatGroup:
         if self.separate_master:
             owned.copy_(self.master)
         if num_ranks > 1:
-            comm.all_gather_into_tensor(self.flat_param, owned.clone())
+            comm.all_gather_into_tensor(self.flat_param, owned)  # in place
 
 
 @dataclass
@@ -246,40 +246,15 @@ class Stage2(Stage12):
         buckets.sort(key=lambda fb: -self.position[fb[0].params[fb[1].last - 1]])
         self.buckets: list[tuple[FlatGroup, Bucket]] = buckets
         self.bucket_of = {p: k for k, (fg, b) in enumerate(buckets) for p in fg.params[b.first : b.last]}
-        self._reset_buckets()
-
-    def _reset_buckets(self) -> None:
-        self.bucket_state = [BucketState.FILLING] * len(self.buckets)
-        self.pending = [b.last - b.first for _, b in self.buckets]
-        self.next_bucket = 0
+        self.sequence = BucketSequence([b.last - b.first for _, b in buckets], lambda k: self._launch(*self.buckets[k]))
         self.in_flight: list[_InFlight] = []
 
     def before_backward(self, boundary: bool) -> None:
         self._stats = None
-        self._reset_buckets()
+        self.sequence.reset()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        k = self.bucket_of[p]
-        if self.bucket_state[k] is not BucketState.FILLING:
-            raise RuntimeError(
-                f"gradient of '{self.names.get(p, '?')}' was produced twice in one backward after its bucket "
-                "was reduced (reentrant activation checkpointing, or several backward() calls per micro-batch); "
-                "use non-reentrant checkpointing or one backward per micro-batch"
-            )
-        self.pending[k] -= 1
-        if self.pending[k] == 0:
-            self.bucket_state[k] = BucketState.READY
-            self._launch_ready_buckets()
-
-    def _launch_ready_buckets(self, force: bool = False) -> None:
-        """Reduce buckets strictly in sequence order (same collectives in the same order on all ranks)."""
-        while self.next_bucket < len(self.buckets):
-            k = self.next_bucket
-            if not (force or self.bucket_state[k] is BucketState.READY):
-                return
-            self._launch(*self.buckets[k])
-            self.bucket_state[k] = BucketState.REDUCING
-            self.next_bucket += 1
+        self.sequence.grad_ready(self.bucket_of[p], self.names.get(p, "?"))
 
     def _launch(self, fg: FlatGroup, bucket: Bucket) -> None:
         """Pack the bucket's gradients (freeing them), then reduce each owner's piece to its owner."""
@@ -315,7 +290,7 @@ class Stage2(Stage12):
 
     def after_backward(self, boundary: bool) -> None:
         """Every micro-batch: launch what is left (parameters unused in this backward), wait for all."""
-        self._launch_ready_buckets(force=True)
+        self.sequence.launch_in_order(force=True)
         while self.in_flight:
             self._finish(self.in_flight.pop(0))
 
