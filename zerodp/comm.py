@@ -295,10 +295,20 @@ def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
 
 
 def all_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Gather one small 1-D int64 `row` from every rank into a (world, len) tensor (rank checks)."""
+    """Gather one small 1-D `row` from every rank into a (world, len) tensor (rank checks)."""
     out = torch.empty(get_world_size(group), row.numel(), dtype=row.dtype, device=row.device)
     all_gather_into_tensor(out.view(-1), row, group=group)
     return out
+
+
+def gather_messages(message: str | None, max_bytes: int = 2048) -> list[str | None]:
+    """Every rank's error message (None: no error), so all ranks can raise the same one."""
+    data = (message or "").encode()[:max_bytes]
+    row = torch.zeros(max_bytes + 1, dtype=torch.uint8, device=device_for_backend())
+    row[0] = message is not None
+    row[1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else row[1:1]
+    rows = all_gather_rows(row, group=None).cpu()
+    return [bytes(r[1:].tolist()).rstrip(b"\0").decode(errors="replace") if r[0] else None for r in rows]
 
 
 def any_rank_true(flag: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:

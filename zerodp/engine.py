@@ -295,6 +295,24 @@ class Engine(nn.Module):
             pin_memory=pin_memory and self.device.type == "cuda", drop_last=self.config.dataloader_drop_last,
         )
 
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save a sharded, crash-safe checkpoint into `save_dir/tag` (default tag
+        `global_step{N}`); call it on every rank. See docs/checkpoints.md."""
+        from zerodp.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """Load a checkpoint saved at any world size and ZeRO stage; returns (path, client_state)
+        or (None, None) when `load_dir/latest` does not exist. Call it on every rank."""
+        from zerodp.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
     def memory_report(self) -> dict:
         """Bytes this rank holds, by category and tier (see zerodp.memory), plus transient peaks,
         plus `activations`: what autograd saved for backward at the peak of the last step, by tier

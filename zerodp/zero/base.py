@@ -16,6 +16,7 @@ rank), then either `step(loss_scale, max_norm)` or nothing, then `zero_grad()`.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -27,6 +28,20 @@ from zerodp.precision import DtypePolicy
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 """Builds the optimizer over the param groups a strategy hands it (its own tensors, the
 user's hyperparameters)."""
+
+
+@dataclass
+class Piece:
+    """Elements [offset, offset + numel) of trainable parameter `name` (param group `group`) as
+    this rank holds them: `tensors` maps "master" (fp32 values) and each element-wise optimizer
+    state key (e.g. "exp_avg") to a flat view of live storage, so a checkpoint reads from and
+    writes into it directly."""
+
+    name: str
+    group: int
+    offset: int
+    numel: int
+    tensors: dict[str, torch.Tensor]
 
 
 class Strategy(abc.ABC):
@@ -79,5 +94,26 @@ class Strategy(abc.ABC):
         """Reset gradient accumulation for the next optimizer step."""
 
     @abc.abstractmethod
+    def pieces(self, saving: bool) -> list[Piece]:
+        """The parameter pieces this rank saves (`saving`), or must fill when loading; each
+        element of each trainable parameter is saved by exactly one rank."""
+
+    @abc.abstractmethod
+    def piece_index(self, rank: int) -> list[tuple[str, int, int]]:
+        """(name, offset, numel) of what `rank` saves: the same on every rank (for meta.json)."""
+
+    @abc.abstractmethod
+    def after_load(self) -> None:
+        """Make the working parameters equal the loaded masters on every rank (may communicate)."""
+
+    @abc.abstractmethod
     def ledger(self) -> MemoryLedger:
         """Every long-lived byte this strategy holds, by category and tier, plus transient peaks."""
+
+
+def elementwise_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Flat views of `param`'s optimizer state tensors that have one value per element (Adam's
+    exp_avg, exp_avg_sq); scalar state (step) is per group and saved apart."""
+    state = optimizer.state.get(param, {})
+    return {k: v.view(-1) for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == param.numel()}

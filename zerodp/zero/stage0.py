@@ -29,7 +29,7 @@ from torch import nn
 from zerodp import comm
 from zerodp.memory import Category, MemoryLedger, nbytes, optimizer_state_tensors
 from zerodp.precision import first_nonfinite, has_inf_or_nan
-from zerodp.zero.base import OptimizerFactory, Strategy
+from zerodp.zero.base import OptimizerFactory, Piece, Strategy, elementwise_state
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.layout import assign_buckets, flat_offsets
@@ -170,6 +170,25 @@ class Stage0(Strategy):
             self._rebuild_in_ready_order()
         self.reduced = False
         self.grads.zero()
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def pieces(self, saving: bool) -> list[Piece]:
+        """Every parameter whole; only rank 0 saves (all ranks hold the same)."""
+        if saving and comm.get_rank() != 0:
+            return []
+        targets = self.masters if self.masters is not None else self.params
+        group_of = {t: g for g, group in enumerate(self.optimizer.param_groups) for t in group["params"]}
+        return [Piece(self.names[p], group_of[t], 0, p.numel(), {"master": t.data.view(-1), **elementwise_state(self.optimizer, t)})
+                for p, t in zip(self.params, targets)]
+
+    def piece_index(self, rank: int) -> list[tuple[str, int, int]]:
+        return [(self.names[p], 0, p.numel()) for p in self.params] if rank == 0 else []
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        if self.masters is not None:
+            torch._foreach_copy_(self.params, self.masters)
 
     def _optimizer_groups(self, param_groups: list[dict]) -> list[dict]:
         """The user's groups over the tensors the optimizer updates (params, or fp32 masters)."""

@@ -33,7 +33,7 @@ from torch import nn
 from zerodp import comm
 from zerodp.memory import Category, MemoryLedger, nbytes, optimizer_state_tensors
 from zerodp.precision import first_nonfinite, has_inf_or_nan
-from zerodp.zero.base import OptimizerFactory, Strategy
+from zerodp.zero.base import OptimizerFactory, Piece, Strategy, elementwise_state
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
 from zerodp.zero.layout import Bucket, GroupLayout, assign_buckets, group_layout, owner_pieces
@@ -206,6 +206,29 @@ class Stage12(Strategy):
         for fg in self.groups:
             fg.flat_grad.zero()
             fg.owned_grad = None
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def pieces(self, saving: bool) -> list[Piece]:
+        """The parameter slices inside this rank's owned shards (the same to save and to load)."""
+        pieces = []
+        for g, fg in enumerate(self.groups):
+            start = fg.owned.start
+            state = {"master": fg.master.data, **elementwise_state(self.optimizer, fg.master)}
+            for s in fg.layout.slices_in(fg.owned.start, fg.owned.stop):
+                lo = s.flat_offset - start
+                pieces.append(Piece(self.names[fg.params[s.index]], g, s.param_offset, s.numel,
+                                    {k: v[lo : lo + s.numel] for k, v in state.items()}))
+        return pieces
+
+    def piece_index(self, rank: int) -> list[tuple[str, int, int]]:
+        return [(self.names[fg.params[s.index]], s.param_offset, s.numel)
+                for fg in self.groups for s in fg.layout.slices_in(*fg.layout.owned_range(rank))]
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        for fg in self.groups:
+            fg.publish(self.num_ranks)
 
     # --- reports -------------------------------------------------------------------------------
 

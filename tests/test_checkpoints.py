@@ -1,0 +1,259 @@
+"""Checkpoints: exact resume, load at any world size and stage, crash safety, corruption, safety."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import RankFailed, run_ranks
+from tests.models import batch, make_model
+
+GAS = 2
+
+
+def _engine(stage: int, precision: dict | None = None, world_seed: int = 0):
+    import zerodp
+
+    model = make_model()
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear"}},
+              **(precision or {})}
+    engine, *_ = zerodp.initialize(model=model, config=config)
+    return engine
+
+
+def _train(engine, rank: int, steps: range) -> list[float]:
+    record = []
+    for step in steps:
+        for micro in range(GAS):
+            loss = engine(*batch(rank, step, micro))
+            engine.backward(loss)
+            engine.step()
+            record.append(loss.item())
+        record.append(torch.rand(1).item())  # RNG state must continue identically after a resume
+    return record
+
+
+def _params(engine) -> list[torch.Tensor]:
+    return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+def _continuous(rank: int, world: int, stage: int, precision: dict):
+    engine = _engine(stage, precision)
+    return _train(engine, rank, range(6)), _params(engine), engine.loss_scale, engine.get_lr()
+
+
+def _first_half(rank: int, world: int, stage: int, precision: dict, path: str):
+    engine = _engine(stage, precision)
+    record = _train(engine, rank, range(3))
+    engine.save_checkpoint(path, client_state={"epoch": 7, "note": "plain data"})
+    return record
+
+
+def _second_half(rank: int, world: int, stage: int, precision: dict, path: str):
+    engine = _engine(stage, precision)
+    loaded, client_state = engine.load_checkpoint(path)
+    record = _train(engine, rank, range(3, 6))
+    return record, _params(engine), engine.loss_scale, engine.get_lr(), client_state, engine.global_steps
+
+
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
+              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}}}
+
+
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_resume_is_exact(tmp_path: Path, stage: int, precision: str) -> None:
+    """6 steps straight == 3 steps, save, new processes, load, 3 steps: losses, parameters, RNG,
+    loss scale (fp16's window of 2 makes it grow during the run) and lr, bit for bit."""
+    extra = PRECISIONS[precision]
+    straight = run_ranks(_continuous, 2, args=(stage, extra))
+    first = run_ranks(_first_half, 2, args=(stage, extra, str(tmp_path)))
+    second = run_ranks(_second_half, 2, args=(stage, extra, str(tmp_path)))
+    for (record, params, scale, lr), head, (tail, params2, scale2, lr2, client, steps) in zip(straight, first, second):
+        assert head + tail == record
+        assert all(torch.equal(a, b) for a, b in zip(params, params2))
+        assert (scale, lr) == (scale2, lr2)
+        assert client == {"epoch": 7, "note": "plain data"} and steps == 6
+    assert (tmp_path / "latest").read_text() == "global_step3"
+
+
+# --- any world size, any stage ----------------------------------------------------------------------
+
+
+def _full_state(engine) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's master values and optimizer state, assembled from all ranks' pieces."""
+    import torch.distributed as dist
+
+    mine = [(p.name, p.offset, {k: t.detach().cpu().clone() for k, t in p.tensors.items()})
+            for p in engine.strategy.pieces(saving=True)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    full: dict[str, dict[str, list]] = {}
+    for pieces in everyone:
+        for name, offset, tensors in pieces:
+            for key, t in tensors.items():
+                full.setdefault(name, {}).setdefault(key, []).append((offset, t))
+    return {n: {k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])]) for k, v in keys.items()}
+            for n, keys in full.items()}
+
+
+def _save_at(rank: int, world: int, stage: int, root: str):
+    engine = _engine(stage)
+    _train(engine, rank, range(2))
+    engine.save_checkpoint(os.path.join(root, f"w{world}s{stage}"), tag="ckpt")
+    return _full_state(engine)
+
+
+def _load_all_at(rank: int, world: int, stage: int, root: str, sources: list[str]):
+    states = {}
+    for source in sources:
+        engine = _engine(stage)
+        engine.load_checkpoint(os.path.join(root, source), tag="ckpt")
+        states[source] = (_full_state(engine), engine.global_steps)
+    return states
+
+
+def test_every_checkpoint_loads_at_every_world_size_and_stage(tmp_path: Path) -> None:
+    saved = {}
+    for world in (1, 2, 4):
+        for stage in (0, 1, 2):
+            saved[f"w{world}s{stage}"] = run_ranks(_save_at, world, args=(stage, str(tmp_path)))[0]
+    for world in (1, 2, 4):
+        for stage in (0, 1, 2):
+            loaded = run_ranks(_load_all_at, world, args=(stage, str(tmp_path), sorted(saved)))[0]
+            for source, (state, steps) in loaded.items():
+                assert steps == 2
+                assert state.keys() == saved[source].keys(), (source, world, stage)
+                for name, tensors in saved[source].items():
+                    for key, t in tensors.items():
+                        assert torch.equal(state[name][key], t), (source, f"w{world}s{stage}", name, key)
+
+
+# --- crash safety, corruption, safe loading ---------------------------------------------------------
+
+
+def _save_then_crash(rank: int, world: int, root: str, where: str):
+    from zerodp.checkpoint import save as save_module
+
+    engine = _engine(1)
+    _train(engine, rank, range(1))
+    engine.save_checkpoint(root, tag="good")
+    _train(engine, rank, range(1, 2))
+    original = getattr(save_module, where)
+
+    def crash(*args, **kwargs):
+        if rank == (1 if where == "torch_save_synced" else 0):
+            os.kill(os.getpid(), signal.SIGKILL)  # kill -9, mid-save
+        return original(*args, **kwargs)
+
+    setattr(save_module, where, crash)
+    engine.save_checkpoint(root, tag="bad")
+
+
+def _load_latest(rank: int, world: int, root: str):
+    engine = _engine(1)
+    path, _ = engine.load_checkpoint(root)
+    return path, engine.global_steps
+
+
+@pytest.mark.parametrize("where", ["torch_save_synced", "fsync_dir"])
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path, where: str) -> None:
+    """Killed while writing its shard (rank 1) or just before the rename that publishes (rank 0)."""
+    with pytest.raises(RankFailed):
+        run_ranks(_save_then_crash, 2, args=(str(tmp_path), where), timeout=90)
+    assert (tmp_path / "latest").read_text() == "good"
+    assert not (tmp_path / "bad").exists()
+    for path, steps in run_ranks(_load_latest, 2, args=(str(tmp_path),)):
+        assert path.endswith("good") and steps == 1
+
+
+def _save_one(rank: int, world: int, root: str, client_state: dict | None = None):
+    engine = _engine(2)
+    _train(engine, rank, range(1))
+    engine.save_checkpoint(root, tag="t", client_state=client_state)
+
+
+def _load_one(rank: int, world: int, root: str, tag: str | None = "t"):
+    _engine(2).load_checkpoint(root, tag=tag)
+
+
+def _corrupt(root: Path, how: str) -> None:
+    shard = root / "t" / "rank_1_of_2.pt"
+    if how == "bit flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    elif how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif how == "missing":
+        shard.unlink()
+    else:  # a newer format
+        meta = json.loads((root / "t" / "meta.json").read_text())
+        meta["format_version"] = 99
+        (root / "t" / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("how,message", [
+    ("bit flip", r"rank_1_of_2.pt is corrupt"), ("truncated", r"rank_1_of_2.pt is corrupt"),
+    ("missing", r"rank_1_of_2.pt is missing"), ("newer", r"format version 99 is newer"),
+])
+def test_damaged_checkpoints_are_named_on_every_rank(tmp_path: Path, how: str, message: str) -> None:
+    run_ranks(_save_one, 2, args=(str(tmp_path),))
+    _corrupt(tmp_path, how)
+    with pytest.raises(RankFailed, match=message):
+        run_ranks(_load_one, 2, args=(str(tmp_path),), timeout=60)
+
+
+class NotPlainData:
+    pass
+
+
+def test_pickled_objects_are_refused_on_load(tmp_path: Path) -> None:
+    run_ranks(_save_one, 1, args=(str(tmp_path), {"obj": NotPlainData()}))
+    with pytest.raises(RankFailed, match=r"engine.pt holds a pickled Python object"):
+        run_ranks(_load_one, 1, args=(str(tmp_path),))
+
+
+def _escape(rank: int, world: int, root: str, action: str):
+    engine = _engine(0)
+    if action == "save":
+        engine.save_checkpoint(root, tag="../outside")
+    else:
+        engine.load_checkpoint(root, tag="../outside")
+
+
+@pytest.mark.parametrize("action", ["save", "load"])
+def test_tags_that_escape_the_directory_are_refused(tmp_path: Path, action: str) -> None:
+    with pytest.raises(RankFailed, match="not a plain directory name"):
+        run_ranks(_escape, 1, args=(str(tmp_path), action))
+
+
+def _nothing_to_load(rank: int, world: int, root: str):
+    return _engine(0).load_checkpoint(root)
+
+
+def test_loading_from_an_empty_directory_returns_none(tmp_path: Path) -> None:
+    assert run_ranks(_nothing_to_load, 1, args=(str(tmp_path),)) == [(None, None)]
+
+
+def _save_on_rank0_only(rank: int, world: int, root: str):
+    import time
+
+    engine = _engine(0)
+    if rank == 0:
+        engine.save_checkpoint(root)
+    else:
+        time.sleep(15)
+
+
+def test_save_called_on_one_rank_only_names_the_missing_rank(tmp_path: Path) -> None:
+    with pytest.raises(RankFailed, match=r"save_checkpoint must be called on every rank.*\b1\b"):
+        run_ranks(_save_on_rank0_only, 2, args=(str(tmp_path),), env={"ZERODP_TIMEOUT": "5"}, timeout=60)

@@ -1,0 +1,123 @@
+"""The checkpoint format (version 1): names, metadata, checksums, safe reading. No collectives.
+
+    DIR/latest                       the newest complete tag (text, replaced atomically)
+    DIR/TAG/meta.json                format version, stage, world size, dtypes, every trainable
+                                     parameter (shape, dtype, group), every file's sha256 and size,
+                                     and which parameter pieces each rank file holds
+    DIR/TAG/rank_R_of_W.pt           rank R's owned pieces: fp32 master values and element-wise
+                                     optimizer state per (parameter, offset, numel)
+    DIR/TAG/rng_R.pt                 rank R's RNG states (python, numpy, torch, cuda)
+    DIR/TAG/engine.pt                rank 0: counters, loss scaler, scheduler, optimizer
+                                     hyperparameters and scalar state per group, module buffers and
+                                     frozen parameters, client_state
+
+Pieces are keyed by parameter name and element offset, not by rank, so a checkpoint loads at any
+world size and any stage: a loading rank reads only the files whose pieces overlap what it owns
+(zero/layout.py decides both sides). Tensors are read with `torch.load(weights_only=True)`;
+metadata is JSON. Documented for users in docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+META = "meta.json"
+ENGINE = "engine.pt"
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked: names the file and what is wrong with it."""
+
+
+def rank_file(rank: int, world_size: int) -> str:
+    """The name of rank `rank`'s shard file in a checkpoint saved by `world_size` ranks."""
+    return f"rank_{rank}_of_{world_size}.pt"
+
+
+def rng_file(rank: int) -> str:
+    """The name of rank `rank`'s RNG-state file (small: read back by the same rank on resume)."""
+    return f"rng_{rank}.pt"
+
+
+def check_tag(tag: str) -> str:
+    """A tag is one directory name: no separators, not '.' or '..', not empty."""
+    if not isinstance(tag, str) or not tag or tag in (".", "..") or any(c in tag for c in "/\\\0"):
+        raise CheckpointError(f"checkpoint tag {tag!r} is not a plain directory name (it would escape the "
+                              "checkpoint directory); use something like 'global_step100'")
+    return tag
+
+
+def sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` and force it to disk."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def torch_save_synced(obj: Any, path: Path) -> None:
+    """torch.save to `path`, then fsync."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_meta(tag_dir: Path) -> dict:
+    """meta.json of a checkpoint, checked for presence and format version."""
+    path = tag_dir / META
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing: {tag_dir} is not a complete zerodp checkpoint "
+                              "(an interrupted save leaves TAG.tmp, never a TAG without meta.json)")
+    meta = json.loads(path.read_text())
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {version} is newer than this zerodp reads "
+                              f"({FORMAT_VERSION}); upgrade zerodp to load it")
+    return meta
+
+
+def verified_load(tag_dir: Path, name: str, meta: dict) -> Any:
+    """Load one tensor file after checking it exists and matches its recorded size and sha256;
+    never unpickles code (weights_only)."""
+    path = tag_dir / name
+    recorded = meta["files"].get(name)
+    if recorded is None:
+        raise CheckpointError(f"{path} is not listed in {tag_dir / META}")
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing (saved by {meta['world_size']} ranks; every rank file is needed)")
+    if path.stat().st_size != recorded["bytes"] or sha256(path) != recorded["sha256"]:
+        raise CheckpointError(f"{path} is corrupt: its size or sha256 differs from {META} "
+                              "(truncated or modified after the save)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path} holds a pickled Python object, which zerodp refuses to load "
+                              f"(it could run code): {str(err).splitlines()[-1][:200]}") from None

@@ -1,0 +1,175 @@
+"""engine.load_checkpoint: fill this rank's pieces from any checkpoint, at any world size and stage.
+
+Each rank asks its strategy which pieces it holds now (zero/layout.py), opens only the saved rank
+files whose pieces overlap them (meta.json lists them), one file at a time, and copies the
+overlapping ranges into live storage. Problems found by one rank are shared before the first
+collective, so every rank raises instead of some waiting forever.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerodp import comm
+from zerodp.checkpoint.format import ENGINE, LATEST, CheckpointError, check_tag, read_meta, rng_file, verified_load
+from zerodp.log import log_rank0, logger
+
+
+def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str | None, dict | None]:
+    """Load `load_dir/tag` (default: the tag in `load_dir/latest`) into `engine` on every rank.
+    Returns (checkpoint path, client_state), or (None, None) when there is nothing to load."""
+    root = Path(load_dir)
+    if tag is None:
+        if not (root / LATEST).exists():
+            logger.warning("no checkpoint to load: %s does not exist", root / LATEST)
+            return None, None
+        tag = (root / LATEST).read_text().strip()
+    tag_dir = root / check_tag(tag)
+    with_optimizer = load_optimizer_states and not load_module_only
+    with comm.ledger.outside_step():
+        meta, state = _shared(lambda: _read_engine_state(engine, tag_dir, load_module_strict))
+        if with_optimizer:
+            _create_optimizer_state(engine.optimizer, state["optimizer_scalars"], state["optimizer_state_keys"])
+        _shared(lambda: _fill_pieces(engine, tag_dir, meta, with_optimizer, load_module_strict))
+        engine.strategy.after_load()
+        _load_rest(engine, tag_dir, meta, state, load_module_only, with_optimizer, load_lr_scheduler_states)
+    log_rank0("loaded checkpoint %s (saved at stage %d by %d ranks)", tag_dir, meta["stage"], meta["world_size"])
+    return str(tag_dir), state["client_state"]
+
+
+def _shared(read: Any) -> Any:
+    """Run `read()`; if it fails on any rank, every rank raises that rank's error (before anyone
+    communicates more)."""
+    result, problem = None, None
+    try:
+        result = read()
+    except (CheckpointError, OSError) as err:
+        problem = err
+    messages = comm.gather_messages(None if problem is None else str(problem)) if comm.get_world_size() > 1 else [
+        None if problem is None else str(problem)]
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        if problem is not None and failed[0][0] == comm.get_rank():
+            raise problem
+        raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]}")
+    return result
+
+
+def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, dict]:
+    meta = read_meta(tag_dir)
+    mine = {p.name: p.numel for p in engine.strategy.pieces(saving=False)}
+    saved = meta["params"]
+    wrong = [f"{n} (saved {saved[n]} elements)" for n in mine if n in saved and saved[n] < mine[n]]
+    missing = [n for n in _trainable_names(engine) if n not in saved]
+    unexpected = [n for n in saved if n not in _trainable_names(engine)]
+    if wrong or (strict and (missing or unexpected)):
+        raise CheckpointError(f"{tag_dir} does not match this model: " + "; ".join(filter(None, [
+            f"size differs for {wrong}" if wrong else "", f"missing {missing}" if missing else "",
+            f"unexpected {unexpected}" if unexpected else ""])) + " (load_module_strict=False skips missing/unexpected)")
+    return meta, verified_load(tag_dir, ENGINE, meta)
+
+
+def _trainable_names(engine: Any) -> set[str]:
+    return {name for name, _, _ in (entry for r in range(comm.get_world_size()) for entry in engine.strategy.piece_index(r))}
+
+
+def _create_optimizer_state(optimizer: torch.optim.Optimizer, scalars: list[dict], keys: list[str]) -> None:
+    """Give every optimizer tensor zeroed state with the saved scalar state (step), through
+    torch's own load_state_dict so dtypes and devices follow the optimizer's rules."""
+    if not any(scalars):
+        return
+    state, index = {}, 0
+    groups = []
+    for group, saved in zip(optimizer.param_groups, scalars):
+        ids = []
+        for p in group["params"]:
+            if saved:
+                # each parameter its own copy: torch increments `step` in place, per parameter
+                scalars = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
+                state[index] = {**scalars, **{k: torch.zeros_like(p) for k in keys}}
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _fill_pieces(engine: Any, tag_dir: Path, meta: dict, with_optimizer: bool, strict: bool) -> None:
+    wanted: dict[str, list] = {}
+    for piece in engine.strategy.pieces(saving=False):
+        wanted.setdefault(piece.name, []).append(piece)
+    filled = {id(p): 0 for ps in wanted.values() for p in ps}
+    for name, info in meta["files"].items():
+        if not name.startswith("rank_") or not any(_overlap(w, o, n) for n_, o, n in info["pieces"]
+                                                   for w in wanted.get(n_, [])):
+            continue
+        for saved in verified_load(tag_dir, name, meta)["pieces"]:
+            for piece in wanted.get(saved["name"], []):
+                filled[id(piece)] += _copy_overlap(saved, piece, with_optimizer)
+    short = [p.name for ps in wanted.values() for p in ps if filled[id(p)] != p.numel and p.name in meta["params"]]
+    if short:
+        raise CheckpointError(f"{tag_dir}: the saved pieces do not cover {short}")
+
+
+def _overlap(piece: Any, offset: int, numel: int) -> bool:
+    return max(piece.offset, offset) < min(piece.offset + piece.numel, offset + numel)
+
+
+@torch.no_grad()
+def _copy_overlap(saved: dict, piece: Any, with_optimizer: bool) -> int:
+    lo = max(piece.offset, saved["offset"])
+    hi = min(piece.offset + piece.numel, saved["offset"] + saved["numel"])
+    if lo >= hi:
+        return 0
+    for key, dest in piece.tensors.items():
+        if key != "master" and not with_optimizer:
+            continue
+        if key not in saved["tensors"]:
+            raise CheckpointError(f"optimizer state '{key}' of {piece.name} is not in the checkpoint "
+                                  "(saved with another optimizer?); pass load_optimizer_states=False")
+        src = saved["tensors"][key]
+        dest[lo - piece.offset : hi - piece.offset].copy_(src[lo - saved["offset"] : hi - saved["offset"]])
+    return hi - lo
+
+
+def _load_rest(engine: Any, tag_dir: Path, meta: dict, state: dict, module_only: bool, with_optimizer: bool,
+               with_scheduler: bool) -> None:
+    """Buffers and frozen parameters; then, unless module_only, counters, scaler, scheduler, RNG."""
+    with torch.no_grad():
+        current = engine.module.state_dict()
+        for name, tensor in state["module_extra"].items():
+            if name in current:
+                current[name].copy_(tensor)
+    if module_only:
+        return
+    for key, value in state["counters"].items():
+        setattr(engine, key, value)
+    engine.loss_scaler.load_state_dict(state["loss_scaler"])
+    if with_optimizer:
+        for group, saved in zip(engine.optimizer.param_groups, state["optimizer_groups"]):
+            group.update(saved)
+    if with_scheduler and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    _restore_rng(tag_dir, meta)
+
+
+def _restore_rng(tag_dir: Path, meta: dict) -> None:
+    rank = comm.get_rank()
+    if rank >= meta["world_size"]:
+        logger.info("rank %d has no saved RNG state (saved by %d ranks): keeping its own", rank, meta["world_size"])
+        return
+    rng = verified_load(tag_dir, rng_file(rank), meta)
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if "numpy" in rng:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = rng["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])

@@ -1,0 +1,191 @@
+"""engine.save_checkpoint: every rank writes its pieces into TAG.tmp, then rank 0 publishes.
+
+[Note: crash safety]
+Files go into DIR/TAG.tmp and are fsynced; ranks agree (their checksums are gathered); rank 0
+writes meta.json last, fsyncs, renames TAG.tmp to TAG and only then replaces `latest` (write
+latest.tmp, fsync, rename). A process killed at any moment leaves either the previous checkpoint
+with `latest` pointing at it, or the new one complete: a TAG directory without meta.json is never
+published, and `latest` never names one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerodp import comm
+from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, LATEST, META, CheckpointError, check_tag, fsync_dir,
+                                      fsync_write, rank_file, rng_file, sha256, torch_save_synced)
+from zerodp.log import log_rank0, logger
+from zerodp.zero.base import elementwise_state
+
+
+def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    """Save a sharded checkpoint of `engine` into `save_dir/tag` (every rank must call it).
+    Returns True. See docs/checkpoints.md for the layout."""
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    root = Path(save_dir)
+    rank, world = comm.get_rank(), comm.get_world_size()
+    with comm.ledger.outside_step():
+        _all_ranks_called("save_checkpoint")
+        _check_tag_on_all_ranks(tag, engine.config.checkpoint.tag_validation)
+        tmp = root / f"{tag}.tmp"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
+            tmp.mkdir(parents=True)
+        comm.barrier()
+        files = _write_rank_files(engine, tmp, rank, world)
+        if rank == 0:
+            torch_save_synced(_engine_state(engine, client_state or {}, exclude_frozen_parameters), tmp / ENGINE)
+            files.append(ENGINE)
+        digests = _gather_digests(tmp, files, world)
+        if rank == 0:
+            _publish(engine, root, tag, tmp, digests, save_latest)
+        comm.barrier()
+    log_rank0("saved checkpoint %s", root / tag)
+    return True
+
+
+def _all_ranks_called(what: str) -> None:
+    """Fail with the names of the missing ranks instead of hanging when some rank did not call."""
+    if comm.get_world_size() == 1:
+        return
+    if dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=comm.collective_timeout(), wait_all_ranks=True)
+        except RuntimeError as err:
+            raise RuntimeError(f"{what} must be called on every rank (as in DeepSpeed): {err}") from None
+    else:
+        comm.barrier()
+
+
+def _check_tag_on_all_ranks(tag: str, policy: str) -> None:
+    import zlib
+
+    crcs = comm.all_gather_rows(torch.tensor([zlib.crc32(tag.encode())], dtype=torch.int64,
+                                             device=comm.device_for_backend())).view(-1).tolist()
+    if len(set(crcs)) == 1 or policy.lower() == "ignore":
+        return
+    message = f"checkpoint tag {tag!r} differs between ranks (checkpoint.tag_validation={policy})"
+    if policy.lower() == "fail":
+        raise CheckpointError(message)
+    logger.warning(message)
+
+
+def _write_rank_files(engine: Any, tmp: Path, rank: int, world: int) -> list[str]:
+    pieces = [{"name": p.name, "offset": p.offset, "numel": p.numel,
+               "tensors": {k: t.detach().to("cpu", copy=True) for k, t in p.tensors.items()}}
+              for p in engine.strategy.pieces(saving=True)]
+    torch_save_synced({"format_version": FORMAT_VERSION, "rank": rank, "world_size": world, "pieces": pieces},
+                      tmp / rank_file(rank, world))
+    torch_save_synced(_rng_state(), tmp / rng_file(rank))
+    return [rank_file(rank, world), rng_file(rank)]
+
+
+def _rng_state() -> dict:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _engine_state(engine: Any, client_state: dict, exclude_frozen: bool) -> dict:
+    optimizer = engine.optimizer
+    trainable = _trainable_numels(engine.strategy)
+    extra = {n: t.detach().cpu() for n, t in engine.module.state_dict().items() if n not in trainable}
+    if exclude_frozen:
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        extra = {n: t for n, t in extra.items() if n not in frozen}
+    return {
+        "format_version": FORMAT_VERSION,
+        "counters": {k: getattr(engine, k) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "optimizer_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "optimizer_scalars": [_scalar_state(optimizer, g) for g in optimizer.param_groups],
+        "optimizer_state_keys": sorted({k for g in optimizer.param_groups for p in g["params"]
+                                        for k in elementwise_state(optimizer, p)}),
+        "module_extra": extra,  # buffers and frozen parameters, by state_dict name
+        "client_state": client_state,
+    }
+
+
+def _scalar_state(optimizer: torch.optim.Optimizer, group: dict) -> dict:
+    """0-dim state (Adam's step) of the group's first parameter that has state: the same for all."""
+    for p in group["params"]:
+        state = optimizer.state.get(p)
+        if state:
+            return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()
+                    if not isinstance(v, torch.Tensor) or v.dim() == 0}
+    return {}
+
+
+def _gather_digests(tmp: Path, files: list[str], world: int) -> dict[str, dict]:
+    """Every rank's files' sha256 and size, gathered to all ranks (rank 0 writes them to meta)."""
+    rows = []
+    for name in files[:2]:  # the rank file and the RNG file; engine.pt is rank 0's own
+        digest = bytes.fromhex(sha256(tmp / name))
+        rows += [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+        rows.append((tmp / name).stat().st_size)
+    gathered = comm.all_gather_rows(torch.tensor(rows, dtype=torch.int64, device=comm.device_for_backend()))
+    digests = {}
+    for r, row in enumerate(gathered.tolist()):
+        for j, name in enumerate((rank_file(r, world), rng_file(r))):
+            words = row[5 * j : 5 * j + 4]
+            digests[name] = {"sha256": b"".join(w.to_bytes(8, "little", signed=True) for w in words).hex(),
+                             "bytes": row[5 * j + 4]}
+    if ENGINE in files:
+        digests[ENGINE] = {"sha256": sha256(tmp / ENGINE), "bytes": (tmp / ENGINE).stat().st_size}
+    return digests
+
+
+def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, save_latest: bool) -> None:
+    """Rank 0: meta.json, then the renames that make the checkpoint visible (see [Note: crash safety])."""
+    strategy, world = engine.strategy, comm.get_world_size()
+    for r in range(world):
+        digests[rank_file(r, world)]["pieces"] = strategy.piece_index(r)
+    meta = {
+        "format_version": FORMAT_VERSION, "tag": tag, "stage": engine.zero_optimization_stage(),
+        "world_size": world, "precision": engine.config.precision, "optimizer": type(engine.optimizer).__name__,
+        "params": _trainable_numels(strategy),
+        "files": digests,
+    }
+    fsync_write(tmp / META, json.dumps(meta, indent=1).encode())
+    fsync_dir(tmp)
+    final = root / tag
+    if final.exists():  # saving the same tag again: move the old one aside first
+        old = root / f"{tag}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    fsync_dir(root)
+    if save_latest:
+        fsync_write(root / f"{LATEST}.tmp", tag.encode())
+        (root / f"{LATEST}.tmp").rename(root / LATEST)
+        fsync_dir(root)
+
+
+def _trainable_numels(strategy: Any) -> dict[str, int]:
+    """Every trainable parameter's name and numel, from every rank's piece index."""
+    totals: dict[str, int] = {}
+    for r in range(comm.get_world_size()):
+        for name, _, numel in strategy.piece_index(r):
+            totals[name] = totals.get(name, 0) + numel
+    return totals
