@@ -257,3 +257,63 @@ def _save_on_rank0_only(rank: int, world: int, root: str):
 def test_save_called_on_one_rank_only_names_the_missing_rank(tmp_path: Path) -> None:
     with pytest.raises(RankFailed, match=r"save_checkpoint must be called on every rank.*\b1\b"):
         run_ranks(_save_on_rank0_only, 2, args=(str(tmp_path),), env={"ZERODP_TIMEOUT": "5"}, timeout=60)
+
+
+# --- consolidated export -------------------------------------------------------------------------------
+
+
+def _save_for_export(rank: int, world: int, root: str):
+    engine = _engine(2)
+    _train(engine, rank, range(2))
+    engine.save_checkpoint(root)
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def test_export_to_safetensors_and_state_dict_equals_the_trained_weights(tmp_path: Path, capsys) -> None:
+    from zerodp.checkpoint import load_state_dict_from_checkpoint, read_safetensors
+    from zerodp.cli import main
+
+    trained = run_ranks(_save_for_export, 2, args=(str(tmp_path / "ckpt"),))[0]
+    state = load_state_dict_from_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(state[n], t) for n, t in trained.items())  # fp32: params are the masters
+    assert main(["ckpt", "convert", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "2KB"]) == 0
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1  # 2 KB shards force several files
+    exported = {k: v for shard in shards for k, v in read_safetensors(tmp_path / "out" / shard).items()}
+    assert set(state) - set(exported) == {"head.weight"}  # tied to embed.weight: written once
+    assert all(torch.equal(exported[n], state[n]) for n in exported)
+    model = make_model(seed=1)
+    model.load_state_dict(state)  # strict: every name, tied ones included
+    assert torch.equal(model.head.weight, trained["embed.weight"])
+    assert main(["ckpt", "inspect", str(tmp_path / "ckpt")]) == 0
+    assert "saved by 2 ranks at ZeRO stage 2" in capsys.readouterr().out
+
+
+# --- the data loader's position ---------------------------------------------------------------------
+
+
+def _loader_run(rank: int, world: int, root: str, phase: str):
+    import zerodp
+
+    model = make_model()
+    data = torch.utils.data.TensorDataset(torch.arange(100))
+    engine, _, loader, _ = zerodp.initialize(model=model, training_data=data, config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    if phase == "second":
+        engine.load_checkpoint(root)
+    seen = []
+    for (indices,) in loader:
+        seen.append(indices.tolist())
+        if phase == "first" and len(seen) == 5:
+            engine.save_checkpoint(root)
+            break
+    return seen
+
+
+def test_the_training_loader_resumes_where_it_stopped(tmp_path: Path) -> None:
+    straight = run_ranks(_loader_run, 2, args=(str(tmp_path / "a"), "straight"))
+    first = run_ranks(_loader_run, 2, args=(str(tmp_path / "b"), "first"))
+    second = run_ranks(_loader_run, 2, args=(str(tmp_path / "b"), "second"))
+    for whole, head, tail in zip(straight, first, second):
+        assert head + tail == whole and len(tail) == len(whole) - 5

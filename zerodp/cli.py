@@ -3,6 +3,7 @@
     zerodp demo                                   # train a small GPT on 2 CPU processes
     zerodp config check ds.json --world-size 8    # validate a DeepSpeed config, show the batch math
     zerodp run --nproc-per-node 2 train.py ...    # torchrun with zerodp's defaults
+    zerodp ckpt convert ckpt/ out/                # full weights as safetensors shards
 """
 
 from __future__ import annotations
@@ -60,6 +61,23 @@ def _parser() -> argparse.ArgumentParser:
                        help="data-parallel world size (number of processes); default: $WORLD_SIZE")
     check.set_defaults(func=_cmd_config_check)
 
+    ckpt = sub.add_parser("ckpt", help="inspect or convert a zerodp checkpoint").add_subparsers(required=True, metavar="ACTION")
+    inspect_ = ckpt.add_parser("inspect", help="what saved a checkpoint and what its files hold")
+    inspect_.add_argument("dir", help="checkpoint directory (with 'latest') or a tag directory")
+    inspect_.add_argument("--tag", default=None, help="tag to read (default: the one in DIR/latest)")
+    inspect_.set_defaults(func=_cmd_ckpt_inspect)
+    convert = ckpt.add_parser("convert", help="write full weights: one fp32 state dict, or safetensors shards")
+    convert.add_argument("dir", help="checkpoint directory (with 'latest') or a tag directory")
+    convert.add_argument("out", help="output directory")
+    convert.add_argument("--to", choices=["fp32", "safetensors"], default="safetensors",
+                         help="fp32: pytorch_model.bin (the whole model in memory); safetensors: streamed "
+                              "shards + model.safetensors.index.json (default)")
+    convert.add_argument("--tag", default=None, help="tag to read (default: the one in DIR/latest)")
+    convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                         help="dtype of the trainable weights written (default fp32, the master weights)")
+    convert.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 500MB, 5GB (default 5GB)")
+    convert.set_defaults(func=_cmd_ckpt_convert)
+
     demo = sub.add_parser("demo", help="train a small GPT on a synthetic task, then show the memory ledger")
     demo.add_argument("--nproc", type=int, default=2, help="processes (ranks) to launch (default 2)")
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's)")
@@ -99,6 +117,61 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     print(f"\nbatch: {cfg.batch.describe()}")
     print(f"precision: {cfg.precision}, ZeRO stage {cfg.zero_optimization.stage}")
     print("config OK")
+    return EXIT_OK
+
+
+def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
+    from zerodp.checkpoint.convert import describe
+    from zerodp.checkpoint.format import CheckpointError
+
+    try:
+        print(describe(args.dir, args.tag))
+    except (CheckpointError, OSError) as err:
+        print(f"zerodp ckpt inspect: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _parse_size(text: str) -> int:
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, "B": 1}
+    for unit, factor in units.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from zerodp.checkpoint import convert_to_safetensors, load_state_dict_from_checkpoint
+    from zerodp.checkpoint.format import CheckpointError
+    from zerodp.metrics import ProgressBar
+
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    try:
+        if args.to == "fp32":
+            os.makedirs(args.out, exist_ok=True)
+            path = os.path.join(args.out, "pytorch_model.bin")
+            torch.save(load_state_dict_from_checkpoint(args.dir, args.tag, dtype), path)
+            files = [path]
+        else:
+            bar: list = []
+
+            def progress(done: int, total: int) -> None:
+                if not bar:
+                    bar.append(ProgressBar(total, sys.stderr))
+                bar[0].update(done)
+
+            files = convert_to_safetensors(args.dir, args.out, args.tag, dtype, _parse_size(args.max_shard_size), progress)
+            if bar:
+                bar[0].close()
+    except (CheckpointError, OSError, ValueError) as err:
+        print(f"zerodp ckpt convert: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    print("\n".join(str(f) for f in files))
     return EXIT_OK
 
 

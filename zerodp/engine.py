@@ -20,10 +20,11 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from zerodp import checkpointing, comm
 from zerodp.config import ZeroDPConfig
+from zerodp.data import ResumableDistributedSampler
 from zerodp.log import log_rank0
 from zerodp.precision import make_loss_scaler, overflow_message
 from zerodp.timers import Timers
@@ -283,9 +284,10 @@ class Engine(nn.Module):
                      pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
                      num_local_io_workers: int | None = None) -> DataLoader:
         """A DataLoader giving this rank its share of `dataset` (DeepSpeed's signature): a shuffled
-        DistributedSampler unless `data_sampler` is given, `batch_size` = the micro batch. Call
-        `loader.sampler.set_epoch(epoch)` each epoch for a new order."""
-        sampler = data_sampler or DistributedSampler(
+        sampler that checkpoints record the position of (zerodp.data), unless `data_sampler` is
+        given; `batch_size` = the micro batch. Call `loader.sampler.set_epoch(epoch)` each epoch
+        for a new order."""
+        sampler = data_sampler or ResumableDistributedSampler(
             dataset, num_replicas=comm.get_world_size(), rank=comm.get_rank(),
             shuffle=route == "train", drop_last=self.config.dataloader_drop_last,
         )

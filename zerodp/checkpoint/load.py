@@ -8,6 +8,7 @@ collective, so every rank raises instead of some waiting forever.
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ def _shared(read: Any) -> Any:
 def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, dict]:
     meta = read_meta(tag_dir)
     mine = {p.name: p.numel for p in engine.strategy.pieces(saving=False)}
-    saved = meta["params"]
+    saved = {n: math.prod(info["shape"]) for n, info in meta["params"].items()}
     wrong = [f"{n} (saved {saved[n]} elements)" for n in mine if n in saved and saved[n] < mine[n]]
     missing = [n for n in _trainable_names(engine) if n not in saved]
     unexpected = [n for n in saved if n not in _trainable_names(engine)]
@@ -139,7 +140,8 @@ def _copy_overlap(saved: dict, piece: Any, with_optimizer: bool) -> int:
 
 def _load_rest(engine: Any, tag_dir: Path, meta: dict, state: dict, module_only: bool, with_optimizer: bool,
                with_scheduler: bool) -> None:
-    """Buffers and frozen parameters; then, unless module_only, counters, scaler, scheduler, RNG."""
+    """Buffers and frozen parameters; then, unless module_only, counters, scaler, scheduler, the
+    data loader's position, RNG."""
     with torch.no_grad():
         current = engine.module.state_dict()
         for name, tensor in state["module_extra"].items():
@@ -155,6 +157,9 @@ def _load_rest(engine: Any, tag_dir: Path, meta: dict, state: dict, module_only:
             group.update(saved)
     if with_scheduler and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    sampler = getattr(engine.training_dataloader, "sampler", None)
+    if state.get("dataloader") is not None and hasattr(sampler, "load_state_dict"):
+        sampler.load_state_dict(state["dataloader"])
     _restore_rng(tag_dir, meta)
 
 

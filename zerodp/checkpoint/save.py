@@ -105,8 +105,9 @@ def _rng_state() -> dict:
 
 def _engine_state(engine: Any, client_state: dict, exclude_frozen: bool) -> dict:
     optimizer = engine.optimizer
-    trainable = _trainable_numels(engine.strategy)
-    extra = {n: t.detach().cpu() for n, t in engine.module.state_dict().items() if n not in trainable}
+    trainable = {id(p) for n, p in engine.module.named_parameters() if n in _trainable_numels(engine.strategy)}
+    aliases = {n for n, p in engine.module.named_parameters(remove_duplicate=False) if id(p) in trainable}
+    extra = {n: t.detach().cpu() for n, t in engine.module.state_dict().items() if n not in aliases}
     if exclude_frozen:
         frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
         extra = {n: t for n, t in extra.items() if n not in frozen}
@@ -121,7 +122,15 @@ def _engine_state(engine: Any, client_state: dict, exclude_frozen: bool) -> dict
                                         for k in elementwise_state(optimizer, p)}),
         "module_extra": extra,  # buffers and frozen parameters, by state_dict name
         "client_state": client_state,
+        "dataloader": _sampler_state(engine),
     }
+
+
+def _sampler_state(engine: Any) -> dict | None:
+    """The position of the loader `initialize(training_data=...)` built (same on every rank)."""
+    loader = engine.training_dataloader
+    sampler = getattr(loader, "sampler", None)
+    return sampler.state_dict() if hasattr(sampler, "state_dict") else None
 
 
 def _scalar_state(optimizer: torch.optim.Optimizer, group: dict) -> dict:
@@ -161,7 +170,8 @@ def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, save_l
     meta = {
         "format_version": FORMAT_VERSION, "tag": tag, "stage": engine.zero_optimization_stage(),
         "world_size": world, "precision": engine.config.precision, "optimizer": type(engine.optimizer).__name__,
-        "params": _trainable_numels(strategy),
+        "params": _trainable_shapes(engine),
+        "tied": _tied_names(engine.module),
         "files": digests,
     }
     fsync_write(tmp / META, json.dumps(meta, indent=1).encode())
@@ -180,6 +190,25 @@ def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, save_l
         fsync_write(root / f"{LATEST}.tmp", tag.encode())
         (root / f"{LATEST}.tmp").rename(root / LATEST)
         fsync_dir(root)
+
+
+def _tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """{alias: name} for parameters reachable under several names (a head tied to an embedding)."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
+
+
+def _trainable_shapes(engine: Any) -> dict[str, dict]:
+    """{name: {"shape", "dtype"}} of every trainable parameter (the working dtype; pieces are fp32)."""
+    named = dict(engine.module.named_parameters())
+    return {n: {"shape": list(named[n].shape), "dtype": str(named[n].dtype).removeprefix("torch.")}
+            for n in _trainable_numels(engine.strategy)}
 
 
 def _trainable_numels(strategy: Any) -> dict[str, int]:

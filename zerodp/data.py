@@ -1,0 +1,43 @@
+"""The sampler behind `initialize(training_data=...)`: DistributedSampler that can resume mid-epoch."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from torch.utils.data import DistributedSampler
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler that counts the indices it has handed out in the current epoch, so a
+    checkpoint can record the position and a resumed run skips exactly what was already seen.
+
+    The count is exact when the DataLoader has no worker processes (the default of
+    `initialize`'s loader); workers prefetch, which makes the count run ahead by up to
+    `num_workers x prefetch_factor` batches.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_yielded = 0  # indices handed out in this epoch
+        self._resume_at = 0  # indices to skip at the next __iter__ (set by load_state_dict)
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        start, self._resume_at = self._resume_at, 0
+        self.num_yielded = start
+        for index in indices[start:]:
+            self.num_yielded += 1
+            yield index
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch` (a new shuffle) from its beginning."""
+        super().set_epoch(epoch)
+        self.num_yielded = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "num_yielded": self.num_yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The next iteration continues epoch `epoch` after its first `num_yielded` indices."""
+        self.epoch = state["epoch"]
+        self._resume_at = state["num_yielded"]
