@@ -317,3 +317,17 @@ def test_the_training_loader_resumes_where_it_stopped(tmp_path: Path) -> None:
     second = run_ranks(_loader_run, 2, args=(str(tmp_path / "b"), "second"))
     for whole, head, tail in zip(straight, first, second):
         assert head + tail == whole and len(tail) == len(whole) - 5
+
+
+def _different_tags(rank: int, world: int, root: str, policy: str):
+    import zerodp
+
+    engine, *_ = zerodp.initialize(model=make_model(), config={
+        "train_micro_batch_size_per_gpu": 4, "checkpoint": {"tag_validation": policy},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.save_checkpoint(root, tag=f"tag_of_rank_{rank}")
+
+
+def test_tags_that_differ_between_ranks_fail_under_tag_validation_fail(tmp_path: Path) -> None:
+    with pytest.raises(RankFailed, match=r"differs between ranks \(checkpoint.tag_validation=Fail\)"):
+        run_ranks(_different_tags, 2, args=(str(tmp_path), "Fail"))

@@ -57,8 +57,9 @@ def test_step_only_at_boundary_and_no_traffic_between() -> None:
 # --- overflow -----------------------------------------------------------------------------------
 
 
-def _overflow_on_rank1(rank: int, world: int):
+def _overflow_on_rank1(rank: int, world: int, stage: int):
     engine = _engine({"fp16": {"enabled": True, "initial_scale_power": 4, "hysteresis": 1},
+                      "zero_optimization": {"stage": stage},
                       "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
                                                                   "warmup_type": "linear"}}})
     _micro(engine, rank, 0, 0)
@@ -73,8 +74,11 @@ def _overflow_on_rank1(rank: int, world: int):
     return record, engine.was_step_applied(), engine.loss_scale
 
 
-def test_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
-    for (skipped, steps, scale, unchanged, lr_kept, applied), applied_after, _ in run_ranks(_overflow_on_rank1, 2):
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_overflow_on_one_rank_skips_the_step_on_every_rank(stage: int) -> None:
+    """At stages 1 and 2 rank 1's inf lands in some owned shards only: the 2-element all-reduce
+    must still make every rank skip."""
+    for (skipped, steps, scale, unchanged, lr_kept, applied), applied_after, _ in run_ranks(_overflow_on_rank1, 2, args=(stage,)):
         assert (skipped, steps) == (1, 2)
         assert scale == 8.0  # 2**4 halved (hysteresis 1)
         assert unchanged, "parameters must not move on a skipped step"
