@@ -331,3 +331,72 @@ def _different_tags(rank: int, world: int, root: str, policy: str):
 def test_tags_that_differ_between_ranks_fail_under_tag_validation_fail(tmp_path: Path) -> None:
     with pytest.raises(RankFailed, match=r"differs between ranks \(checkpoint.tag_validation=Fail\)"):
         run_ranks(_different_tags, 2, args=(str(tmp_path), "Fail"))
+
+
+# --- found in review ------------------------------------------------------------------------------------
+
+
+def _sgd_momentum(rank: int, world: int, root: str, phase: str):
+    import zerodp
+
+    model = make_model()
+    engine, *_ = zerodp.initialize(model=model, optimizer=lambda g: torch.optim.SGD(g, lr=0.1, momentum=0.9),
+                                   config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}})
+    if phase == "second":
+        engine.load_checkpoint(root)
+    _train(engine, rank, range(2) if phase != "second" else range(2, 4))
+    if phase == "first":
+        engine.save_checkpoint(root)
+    if phase == "straight":
+        _train(engine, rank, range(2, 4))
+    return _params(engine)
+
+
+def test_sgd_momentum_survives_a_resume(tmp_path: Path) -> None:
+    """SGD has only per-element state (momentum_buffer), no step counter."""
+    straight = run_ranks(_sgd_momentum, 2, args=(str(tmp_path), "straight"))
+    run_ranks(_sgd_momentum, 2, args=(str(tmp_path), "first"))
+    resumed = run_ranks(_sgd_momentum, 2, args=(str(tmp_path), "second"))
+    assert all(torch.equal(a, b) for a, b in zip(straight[0], resumed[0]))
+
+
+def test_resuming_after_an_epoch_ended_starts_the_next_epoch_whole() -> None:
+    from zerodp.data import ResumableDistributedSampler
+
+    saved = ResumableDistributedSampler(list(range(8)), num_replicas=1, rank=0)
+    assert len(list(saved)) == 8  # the whole epoch 0, then a checkpoint
+    resumed = ResumableDistributedSampler(list(range(8)), num_replicas=1, rank=0)
+    resumed.load_state_dict(saved.state_dict())
+    assert list(resumed) == []  # epoch 0 is over
+    resumed.set_epoch(1)
+    fresh = ResumableDistributedSampler(list(range(8)), num_replicas=1, rank=0)
+    fresh.set_epoch(1)
+    assert list(resumed) == list(fresh) and len(list(fresh)) == 8
+
+
+def _shape_mismatch(rank: int, world: int, root: str):
+    import zerodp
+
+    engine, *_ = zerodp.initialize(model=make_model(dim=16), config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.save_checkpoint(root)
+    transposed = make_model(dim=16)
+    transposed.fc1.weight = torch.nn.Parameter(transposed.fc1.weight.detach().t().contiguous().view(16, 64))
+    other, *_ = zerodp.initialize(model=transposed, config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    try:
+        other.load_checkpoint(root, load_optimizer_states=False)
+    except ValueError as err:
+        shape_error = str(err)
+    optimizer_error = None
+    try:
+        _engine(0).load_checkpoint(root)
+    except ValueError as err:
+        optimizer_error = str(err)
+    return shape_error, optimizer_error
+
+
+def test_same_numel_other_shape_and_other_optimizer_are_refused(tmp_path: Path) -> None:
+    (shape_error, optimizer_error), = run_ranks(_shape_mismatch, 1, args=(str(tmp_path),))
+    assert "fc1.weight (saved [64, 16], model [16, 64])" in shape_error
+    assert "holds SGD state but the engine's optimizer is AdamW" in optimizer_error

@@ -354,3 +354,26 @@ def _lbfgs(rank: int, world: int):
 def test_optimizers_that_are_not_elementwise_are_refused_on_shards() -> None:
     with pytest.raises(RankFailed, match="LBFGS cannot run on ZeRO stage 1's owned shards"):
         run_ranks(_lbfgs, 1)
+
+
+def _cast_after_initialize(rank: int, world: int, stage: int):
+    engine = _engine({"zero_optimization": {"stage": stage}})
+    engine.module.double()
+    _micro(engine, rank, 0, 0)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_casting_the_model_after_initialize_is_an_error_not_silent_non_training(stage: int) -> None:
+    with pytest.raises(RankFailed, match=r"was replaced after initialize\(\)"):
+        run_ranks(_cast_after_initialize, 1, args=(stage,))
+
+
+def _adagrad_instance(rank: int, world: int):
+    model = make_model()
+    engine = _engine({"zero_optimization": {"stage": 1}}, model=model, optimizer=torch.optim.Adagrad(model.parameters()))
+    _micro(engine, rank, 0, 0)
+    return engine.global_steps
+
+
+def test_optimizers_with_eager_initial_state_are_accepted() -> None:
+    assert run_ranks(_adagrad_instance, 1) == [1]

@@ -19,18 +19,21 @@ class ResumableDistributedSampler(DistributedSampler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.num_yielded = 0  # indices handed out in this epoch
-        self._resume_at = 0  # indices to skip at the next __iter__ (set by load_state_dict)
+        self._resume_at = 0  # indices to skip at the next __iter__ of epoch _resume_epoch
+        self._resume_epoch = 0
 
     def __iter__(self) -> Iterator[int]:
         indices = list(super().__iter__())
-        start, self._resume_at = self._resume_at, 0
+        start = self._resume_at if self.epoch == self._resume_epoch else 0
+        self._resume_at = 0
         self.num_yielded = start
         for index in indices[start:]:
             self.num_yielded += 1
             yield index
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch `epoch` (a new shuffle) from its beginning."""
+        """Start epoch `epoch` (a new shuffle): from its beginning, or, right after a checkpoint
+        load, from where the saved run stopped if `epoch` is the saved one."""
         super().set_epoch(epoch)
         self.num_yielded = 0
 
@@ -39,5 +42,5 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def load_state_dict(self, state: dict) -> None:
         """The next iteration continues epoch `epoch` after its first `num_yielded` indices."""
-        self.epoch = state["epoch"]
+        self.epoch = self._resume_epoch = state["epoch"]
         self._resume_at = state["num_yielded"]

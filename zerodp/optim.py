@@ -75,17 +75,23 @@ def optimizer_factory(optimizer: Any, optimizer_config: Any, device: torch.devic
 
 def _repoint(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
     """Point an existing optimizer's groups at new tensors, in place."""
-    if optimizer.state:
+    if any(_has_stepped(state) for state in optimizer.state.values()):
         raise ValueError(
             "the optimizer passed to initialize() already has state (it has stepped); pass a fresh "
             "optimizer and restore state with engine.load_checkpoint()"
         )
+    optimizer.state.clear()  # initial state some optimizers make eagerly (Adagrad's sum) is remade lazily
     # param_groups_from dropped the groups with no trainable parameter, in order: match the rest.
     remaining = iter(groups)
     for group in optimizer.param_groups:
         trainable = any(p.requires_grad for p in group["params"])
         group["params"] = list(next(remaining)["params"]) if trainable else []
     return optimizer
+
+
+def _has_stepped(state: dict) -> bool:
+    step = state.get("step", 0)
+    return float(step) > 0
 
 
 def resolve_optimizer_class(type_name: str, params: dict) -> type[torch.optim.Optimizer]:

@@ -14,7 +14,8 @@
 Pieces are keyed by parameter name and element offset, not by rank, so a checkpoint loads at any
 world size and any stage: a loading rank reads only the files whose pieces overlap what it owns
 (zero/layout.py decides both sides). Tensors are read with `torch.load(weights_only=True)`;
-metadata is JSON. Documented for users in docs/checkpoints.md.
+metadata is JSON. Documented for users in docs/checkpoints.md. The one collective here,
+`on_every_rank`, turns one rank's failure into the same error on every rank.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import json
 import os
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+from zerodp import comm
 
 FORMAT_VERSION = 1
 META = "meta.json"
@@ -121,3 +124,21 @@ def verified_load(tag_dir: Path, name: str, meta: dict) -> Any:
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"{path} holds a pickled Python object, which zerodp refuses to load "
                               f"(it could run code): {str(err).splitlines()[-1][:200]}") from None
+
+
+def on_every_rank(work: Callable[[], Any]) -> Any:
+    """Run `work()`; if it fails on any rank (a bad file, a full disk), every rank raises that
+    rank's error, so none is left waiting in the next collective."""
+    result, problem = None, None
+    try:
+        result = work()
+    except (CheckpointError, OSError) as err:
+        problem = err
+    message = None if problem is None else str(problem)
+    messages = comm.gather_messages(message) if comm.get_world_size() > 1 else [message]
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        if problem is not None and failed[0][0] == comm.get_rank():
+            raise problem
+        raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]}")
+    return result

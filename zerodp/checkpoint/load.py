@@ -8,7 +8,6 @@ collective, so every rank raises instead of some waiting forever.
 
 from __future__ import annotations
 
-import math
 import random
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,8 @@ from typing import Any
 import torch
 
 from zerodp import comm
-from zerodp.checkpoint.format import ENGINE, LATEST, CheckpointError, check_tag, read_meta, rng_file, verified_load
+from zerodp.checkpoint.format import (ENGINE, LATEST, CheckpointError, check_tag, on_every_rank, read_meta, rng_file,
+                                      verified_load)
 from zerodp.log import log_rank0, logger
 
 
@@ -32,43 +32,33 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, load_mod
             return None, None
         tag = (root / LATEST).read_text().strip()
     tag_dir = root / check_tag(tag)
+    if not tag_dir.exists() and (root / f"{tag}.old").exists():
+        # a save of the same tag was interrupted between its two renames (see save.py)
+        logger.warning("%s is missing; loading %s.old, the complete previous save of that tag", tag_dir, tag)
+        tag_dir = root / f"{tag}.old"
     with_optimizer = load_optimizer_states and not load_module_only
     with comm.ledger.outside_step():
-        meta, state = _shared(lambda: _read_engine_state(engine, tag_dir, load_module_strict))
+        meta, state = on_every_rank(lambda: _read_engine_state(engine, tag_dir, load_module_strict))
+        if with_optimizer and meta["optimizer"] != type(engine.optimizer).__name__:
+            raise CheckpointError(f"{tag_dir} holds {meta['optimizer']} state but the engine's optimizer is "
+                                  f"{type(engine.optimizer).__name__}; pass load_optimizer_states=False")
         if with_optimizer:
             _create_optimizer_state(engine.optimizer, state["optimizer_scalars"], state["optimizer_state_keys"])
-        _shared(lambda: _fill_pieces(engine, tag_dir, meta, with_optimizer, load_module_strict))
+        on_every_rank(lambda: _fill_pieces(engine, tag_dir, meta, with_optimizer, load_module_strict))
         engine.strategy.after_load()
         _load_rest(engine, tag_dir, meta, state, load_module_only, with_optimizer, load_lr_scheduler_states)
     log_rank0("loaded checkpoint %s (saved at stage %d by %d ranks)", tag_dir, meta["stage"], meta["world_size"])
     return str(tag_dir), state["client_state"]
 
 
-def _shared(read: Any) -> Any:
-    """Run `read()`; if it fails on any rank, every rank raises that rank's error (before anyone
-    communicates more)."""
-    result, problem = None, None
-    try:
-        result = read()
-    except (CheckpointError, OSError) as err:
-        problem = err
-    messages = comm.gather_messages(None if problem is None else str(problem)) if comm.get_world_size() > 1 else [
-        None if problem is None else str(problem)]
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if failed:
-        if problem is not None and failed[0][0] == comm.get_rank():
-            raise problem
-        raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]}")
-    return result
-
-
 def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, dict]:
     meta = read_meta(tag_dir)
-    mine = {p.name: p.numel for p in engine.strategy.pieces(saving=False)}
-    saved = {n: math.prod(info["shape"]) for n, info in meta["params"].items()}
-    wrong = [f"{n} (saved {saved[n]} elements)" for n in mine if n in saved and saved[n] < mine[n]]
-    missing = [n for n in _trainable_names(engine) if n not in saved]
-    unexpected = [n for n in saved if n not in _trainable_names(engine)]
+    shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
+    trainable = _trainable_names(engine)
+    saved = {n: info["shape"] for n, info in meta["params"].items()}
+    wrong = [f"{n} (saved {saved[n]}, model {shapes[n]})" for n in trainable if n in saved and saved[n] != shapes[n]]
+    missing = [n for n in trainable if n not in saved]
+    unexpected = [n for n in saved if n not in trainable]
     if wrong or (strict and (missing or unexpected)):
         raise CheckpointError(f"{tag_dir} does not match this model: " + "; ".join(filter(None, [
             f"size differs for {wrong}" if wrong else "", f"missing {missing}" if missing else "",
@@ -77,20 +67,20 @@ def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, 
 
 
 def _trainable_names(engine: Any) -> set[str]:
-    return {name for name, _, _ in (entry for r in range(comm.get_world_size()) for entry in engine.strategy.piece_index(r))}
+    return {name for r in range(comm.get_world_size()) for name, _, _ in engine.strategy.piece_index(r)}
 
 
 def _create_optimizer_state(optimizer: torch.optim.Optimizer, scalars: list[dict], keys: list[str]) -> None:
     """Give every optimizer tensor zeroed state with the saved scalar state (step), through
     torch's own load_state_dict so dtypes and devices follow the optimizer's rules."""
-    if not any(scalars):
+    if not any(scalars) and not keys:
         return
     state, index = {}, 0
     groups = []
     for group, saved in zip(optimizer.param_groups, scalars):
         ids = []
         for p in group["params"]:
-            if saved:
+            if saved or keys:
                 # each parameter its own copy: torch increments `step` in place, per parameter
                 scalars = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
                 state[index] = {**scalars, **{k: torch.zeros_like(p) for k in keys}}
@@ -152,9 +142,11 @@ def _load_rest(engine: Any, tag_dir: Path, meta: dict, state: dict, module_only:
     for key, value in state["counters"].items():
         setattr(engine, key, value)
     engine.loss_scaler.load_state_dict(state["loss_scaler"])
-    if with_optimizer:
-        for group, saved in zip(engine.optimizer.param_groups, state["optimizer_groups"]):
+    for group, saved in zip(engine.optimizer.param_groups, state["optimizer_groups"]):
+        if with_optimizer:
             group.update(saved)
+        elif with_scheduler:  # the scheduler continues from the saved lr, not from the fresh one
+            group.update({k: v for k, v in saved.items() if k in ("lr", "initial_lr")})
     if with_scheduler and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     sampler = getattr(engine.training_dataloader, "sampler", None)

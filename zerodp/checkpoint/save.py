@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from zerodp import comm
 from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, LATEST, META, CheckpointError, check_tag, fsync_dir,
-                                      fsync_write, rank_file, rng_file, sha256, torch_save_synced)
+                                      fsync_write, on_every_rank, rank_file, rng_file, sha256, torch_save_synced)
 from zerodp.log import log_rank0, logger
 from zerodp.zero.base import elementwise_state
 
@@ -41,10 +41,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_s
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
             tmp.mkdir(parents=True)
         comm.barrier()
-        files = _write_rank_files(engine, tmp, rank, world)
-        if rank == 0:
-            torch_save_synced(_engine_state(engine, client_state or {}, exclude_frozen_parameters), tmp / ENGINE)
-            files.append(ENGINE)
+        files = on_every_rank(lambda: _write_files(engine, tmp, rank, world, client_state or {}, exclude_frozen_parameters))
         digests = _gather_digests(tmp, files, world)
         if rank == 0:
             _publish(engine, root, tag, tmp, digests, save_latest)
@@ -79,6 +76,15 @@ def _check_tag_on_all_ranks(tag: str, policy: str) -> None:
     logger.warning(message)
 
 
+def _write_files(engine: Any, tmp: Path, rank: int, world: int, client_state: dict, exclude_frozen: bool) -> list[str]:
+    """This rank's shard and RNG files; rank 0 also engine.pt. Returns the file names."""
+    files = _write_rank_files(engine, tmp, rank, world)
+    if rank == 0:
+        torch_save_synced(_engine_state(engine, client_state, exclude_frozen), tmp / ENGINE)
+        files.append(ENGINE)
+    return files
+
+
 def _write_rank_files(engine: Any, tmp: Path, rank: int, world: int) -> list[str]:
     pieces = [{"name": p.name, "offset": p.offset, "numel": p.numel,
                "tensors": {k: t.detach().to("cpu", copy=True) for k, t in p.tensors.items()}}
@@ -105,7 +111,8 @@ def _rng_state() -> dict:
 
 def _engine_state(engine: Any, client_state: dict, exclude_frozen: bool) -> dict:
     optimizer = engine.optimizer
-    trainable = {id(p) for n, p in engine.module.named_parameters() if n in _trainable_numels(engine.strategy)}
+    names = _trainable_numels(engine.strategy)
+    trainable = {id(p) for n, p in engine.module.named_parameters() if n in names}
     aliases = {n for n, p in engine.module.named_parameters(remove_duplicate=False) if id(p) in trainable}
     extra = {n: t.detach().cpu() for n, t in engine.module.state_dict().items() if n not in aliases}
     if exclude_frozen:
@@ -207,8 +214,8 @@ def _tied_names(module: torch.nn.Module) -> dict[str, str]:
 def _trainable_shapes(engine: Any) -> dict[str, dict]:
     """{name: {"shape", "dtype"}} of every trainable parameter (the working dtype; pieces are fp32)."""
     named = dict(engine.module.named_parameters())
-    return {n: {"shape": list(named[n].shape), "dtype": str(named[n].dtype).removeprefix("torch.")}
-            for n in _trainable_numels(engine.strategy)}
+    names = _trainable_numels(engine.strategy)
+    return {n: {"shape": list(named[n].shape), "dtype": str(named[n].dtype).removeprefix("torch.")} for n in names}
 
 
 def _trainable_numels(strategy: Any) -> dict[str, int]:

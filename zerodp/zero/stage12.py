@@ -136,6 +136,21 @@ class Stage12(Strategy):
 
     def before_backward(self, boundary: bool) -> None:
         self._stats = None
+        self._check_views()
+
+    def _check_views(self) -> None:
+        """Parameters must still be views of the flat buffers: model.to()/.half()/.float() after
+        initialize() replaces them, and training would silently update a buffer nobody reads."""
+        for fg in self.groups:
+            p = next((q for q in fg.params if q.numel()), None)
+            if p is None:
+                continue
+            lo = fg.flat_param.data_ptr()
+            if not lo <= p.data_ptr() < lo + fg.flat_param.numel() * fg.flat_param.element_size():
+                raise RuntimeError(
+                    f"parameter '{self.names.get(p, '?')}' was replaced after initialize() (model.to(), .half(), "
+                    ".float() or an assignment to .data): ZeRO stage 1/2 keeps parameters as views of its flat "
+                    "buffers. Cast or move the model before initialize(), or set the dtype in the config")
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         self.group_of[p].flat_grad.fold(p)
@@ -274,6 +289,7 @@ class Stage2(Stage12):
 
     def before_backward(self, boundary: bool) -> None:
         self._stats = None
+        self._check_views()
         self.sequence.reset()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
