@@ -121,26 +121,34 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     """Run `function(*args, **kwargs)` without keeping its intermediate activations; backward
     recomputes them (RNG restored, so dropout matches). Returns what `function` returns."""
     if options.cpu_checkpointing and torch.cuda.is_available():
-        function, args = _inputs_on_host(function, args)
+        function, args, kwargs = _inputs_on_host(function, args, kwargs)
     _note_checkpoint_inputs(args, kwargs)
     run = _profiled(function) if options.profile else function
     with _synchronized():
         return torch_checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
-def _inputs_on_host(function: Callable, args: tuple) -> tuple[Callable, tuple]:
-    """Hand the checkpoint host copies of its device tensor inputs (pinned, so the copy back is
-    asynchronous); `function` moves them back to the device. The device copies can then be freed."""
-    devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
-    host_args = tuple(a.to("cpu", non_blocking=True).pin_memory() if d is not None and d.type == "cuda" else a
-                      for a, d in zip(args, devices))
+def _inputs_on_host(function: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple, dict]:
+    """Hand the checkpoint host copies of its CUDA tensor inputs, positional and keyword (pinned,
+    so the copy back is asynchronous); `function` moves them back to the device. The device
+    copies can then be freed."""
+
+    def to_host(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            return value.to("cpu", non_blocking=True).pin_memory(), value.device
+        return value, None
+
+    host_args = [to_host(a) for a in args]
+    host_kwargs = {k: to_host(v) for k, v in kwargs.items()}
 
     @functools.wraps(function)
     def on_device(*host: Any, **kw: Any) -> Any:
-        moved = [h.to(d, non_blocking=True) if d is not None and d.type == "cuda" else h for h, d in zip(host, devices)]
-        return function(*moved, **kw)
+        moved = [h.to(d, non_blocking=True) if d is not None else h for h, (_, d) in zip(host, host_args)]
+        moved_kw = {k: v.to(host_kwargs[k][1], non_blocking=True) if k in host_kwargs and host_kwargs[k][1] is not None
+                    else v for k, v in kw.items()}
+        return function(*moved, **moved_kw)
 
-    return on_device, host_args
+    return on_device, tuple(h for h, _ in host_args), {k: h for k, (h, _) in host_kwargs.items()}
 
 
 def _profiled(function: Callable) -> Callable:
