@@ -135,7 +135,10 @@ def _inputs_on_host(function: Callable, args: tuple, kwargs: dict) -> tuple[Call
 
     def to_host(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.device.type == "cuda":
-            return value.to("cpu", non_blocking=True).pin_memory(), value.device
+            # Copy on the current stream into pinned memory; the copy back in the recompute is
+            # queued on the same stream, so it never reads the buffer before it is filled.
+            host = torch.empty_like(value, device="cpu", pin_memory=True)
+            return host.copy_(value, non_blocking=True), value.device
         return value, None
 
     host_args = [to_host(a) for a in args]
