@@ -12,7 +12,7 @@ from torch import nn
 from zerodp import checkpointing, comm
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.engine import Engine
-from zerodp.log import logger
+from zerodp.log import log_rank0
 from zerodp.optim import optimizer_factory, param_groups_from
 from zerodp.precision import DtypePolicy
 from zerodp.zero import strategy_class
@@ -72,7 +72,7 @@ def initialize(
         checkpointing.configure(deepspeed_config=cfg)
     engine = Engine(model, cfg, strategy, scheduler, training_data, collate_fn)
     comm.ledger.end_init()
-    logger.info("zerodp: stage %d, %s, %s", cfg.zero_optimization.stage, cfg.precision, cfg.batch.describe())
+    log_rank0("zerodp: stage %d, %s, %s", cfg.zero_optimization.stage, cfg.precision, cfg.batch.describe())
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
