@@ -139,6 +139,7 @@ def _load_rest(engine: Any, tag_dir: Path, meta: dict, state: dict, module_only:
                 current[name].copy_(tensor)
     if module_only:
         return
+    engine.strategy.load_layout_state(state.get("strategy_layout"))
     for key, value in state["counters"].items():
         setattr(engine, key, value)
     engine.loss_scaler.load_state_dict(state["loss_scaler"])

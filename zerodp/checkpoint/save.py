@@ -130,6 +130,7 @@ def _engine_state(engine: Any, client_state: dict, exclude_frozen: bool) -> dict
         "module_extra": extra,  # buffers and frozen parameters, by state_dict name
         "client_state": client_state,
         "dataloader": _sampler_state(engine),
+        "strategy_layout": engine.strategy.layout_state(),
     }
 
 

@@ -106,6 +106,14 @@ class Strategy(abc.ABC):
     def after_load(self) -> None:
         """Make the working parameters equal the loaded masters on every rank (may communicate)."""
 
+    def layout_state(self) -> dict | None:
+        """Plain data a checkpoint keeps so a resumed run communicates in the same layout (stage
+        0's bucket order); None when the layout is fixed by the config."""
+        return None
+
+    def load_layout_state(self, state: dict | None) -> None:
+        """Restore what `layout_state` returned (between steps, gradients zero)."""
+
     @abc.abstractmethod
     def ledger(self) -> MemoryLedger:
         """Every long-lived byte this strategy holds, by category and tier, plus transient peaks."""

@@ -185,6 +185,18 @@ class Stage0(Strategy):
     def piece_index(self, rank: int) -> list[tuple[str, int, int]]:
         return [(self.names[p], 0, p.numel()) for p in self.params] if rank == 0 else []
 
+    def layout_state(self) -> dict:
+        """The bucket order after the first step: resuming at 4+ ranks in another order would sum
+        gradients in another order (see [Note: stage-0 layout])."""
+        return {"order": [self.names[p] for p in self.order], "final": self.layout_final}
+
+    def load_layout_state(self, state: dict | None) -> None:
+        by_name = {self.names[p]: p for p in self.params}
+        if not state or not state["final"] or set(state["order"]) != set(by_name):
+            return  # no layout yet, or another model: rebuild after the first step as usual
+        self.ready_order, self.layout_final = [], True
+        self._layout([by_name[n] for n in state["order"]])
+
     @torch.no_grad()
     def after_load(self) -> None:
         if self.masters is not None:
