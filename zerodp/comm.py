@@ -53,7 +53,6 @@ class CommLedger:
     last_step: dict[tuple[str, str], CommRecord] = field(default_factory=dict)
     init: dict[tuple[str, str], CommRecord] = field(default_factory=dict)
     one_off: dict[tuple[str, str], CommRecord] = field(default_factory=lambda: defaultdict(CommRecord))
-    num_steps: int = 0
     _outside_step: bool = False
 
     @contextmanager
@@ -83,7 +82,6 @@ class CommLedger:
         """Close one optimizer step."""
         self.last_step = dict(self.current)
         self.current = defaultdict(CommRecord)
-        self.num_steps += 1
 
 
 ledger = CommLedger()
@@ -309,13 +307,6 @@ def gather_messages(message: str | None, max_bytes: int = 2048) -> list[str | No
     row[1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else row[1:1]
     rows = all_gather_rows(row, group=None).cpu()
     return [bytes(r[1:].tolist()).rstrip(b"\0").decode(errors="replace") if r[0] else None for r in rows]
-
-
-def any_rank_true(flag: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
-    """True when `flag` (a 0-dim tensor, nonzero = true) is set on any rank: one MAX all-reduce."""
-    flag = flag.detach().to(torch.float32).reshape(1).clone()
-    all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item() > 0)
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:

@@ -88,21 +88,21 @@ def convert_to_safetensors(ckpt_dir: str | Path, out_dir: str | Path, tag: str |
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     total = len(meta["params"])
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    current: list[tuple[str, torch.Tensor]] = []  # the shard being filled
     written: list[Path] = []
     weight_map: dict[str, int] = {}
     size = 0
     for done, (name, tensor) in enumerate(_tensors(tag_dir, meta, dtype), start=1):
         nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            written.append(_write_shard(out, len(written), shards[-1]))
-            shards[-1], size = [], 0
-        shards[-1].append((name, tensor.contiguous()))
+        if current and size + nbytes > max_shard_bytes:
+            written.append(_write_shard(out, len(written), current))
+            current, size = [], 0
+        current.append((name, tensor.contiguous()))
         weight_map[name] = len(written)
         size += nbytes
         if progress is not None:
             progress(min(done, total), total)
-    written.append(_write_shard(out, len(written), shards[-1]))
+    written.append(_write_shard(out, len(written), current))
     return _finish_names(out, written, weight_map)
 
 

@@ -55,6 +55,11 @@ class Strategy(abc.ABC):
         self.config = config
         self.policy = policy
         self.device = device
+        self.transient_peak: dict[str, int] = {}  # short-lived buffers, by name: largest size seen
+
+    def note_transient(self, name: str, tensor: torch.Tensor) -> None:
+        """Record a short-lived buffer's size for the ledger's transient peaks."""
+        self.transient_peak[name] = max(self.transient_peak.get(name, 0), tensor.numel() * tensor.element_size())
 
     @abc.abstractmethod
     def wrap(self, module: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> None:

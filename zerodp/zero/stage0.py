@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from zerodp import comm
-from zerodp.memory import Category, MemoryLedger, nbytes, optimizer_state_tensors
+from zerodp.memory import Category, MemoryLedger, optimizer_state_tensors
 from zerodp.precision import first_nonfinite, has_inf_or_nan
 from zerodp.zero.base import OptimizerFactory, Piece, Strategy, elementwise_state
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
@@ -50,8 +50,6 @@ class Stage0(Strategy):
         self.layout_final = False  # relaid in rank 0's ready order after the first step
         self.reduced = False  # this optimizer step's gradients are all-reduced
         self.boundary = False
-        self.step_grad32: torch.Tensor | None = None  # transient fp32 gradients of the step
-        self.transient_peak_bytes = 0
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.masters = [p.detach().float().clone() for p in self.params] if self.policy.needs_master_copy else None
@@ -146,7 +144,6 @@ class Stage0(Strategy):
             torch._foreach_copy_(self.params, self.masters)
             for m in self.masters:
                 m.grad = None
-            self.step_grad32 = None
         return float(total_norm)
 
     def _step_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -157,8 +154,7 @@ class Stage0(Strategy):
         flat_grad = self.grads.buffer
         grad32 = flat_grad if flat_grad.dtype == torch.float32 else flat_grad.float()
         if grad32 is not flat_grad:
-            self.step_grad32 = grad32
-            self.transient_peak_bytes = max(self.transient_peak_bytes, nbytes(grad32))
+            self.note_transient("step_grad_fp32", grad32)
         for p, m in zip(self.params, self.masters):
             start = self.grads.offsets[p]
             m.grad = grad32[start : start + p.numel()].view_as(m)
@@ -218,8 +214,7 @@ class Stage0(Strategy):
         led.add(Category.GRAD, self.grads.buffer)
         led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer))
         led.add(Category.BUFFER, list(self.module.buffers()))
-        if self.transient_peak_bytes:
-            led.transient_peak["step_grad_fp32"] = self.transient_peak_bytes
+        led.transient_peak.update(self.transient_peak)
         return led
 
 

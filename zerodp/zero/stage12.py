@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from zerodp import comm
-from zerodp.memory import Category, MemoryLedger, nbytes, optimizer_state_tensors
+from zerodp.memory import Category, MemoryLedger, optimizer_state_tensors
 from zerodp.precision import first_nonfinite, has_inf_or_nan
 from zerodp.zero.base import OptimizerFactory, Piece, Strategy, elementwise_state
 from zerodp.zero.buckets import BucketSequence
@@ -117,15 +117,11 @@ class Stage12(Strategy):
         self.optimizer = make_optimizer([{**g, "params": [fg.master]} for g, fg in zip(param_groups, self.groups)])
         _check_elementwise(self.optimizer, self.config)
         self._stats: torch.Tensor | None = None
-        self.transient_peak: dict[str, int] = {}
 
     def _flat_group(self, params: list[nn.Parameter]) -> FlatGroup:
         params = sorted(params, key=self.position.__getitem__)  # flat order = registration order
         layout = group_layout([p.numel() for p in params], self.num_ranks)
         return FlatGroup(params, layout, self.rank, self.policy.param_dtype, self.device)
-
-    def _note_transient(self, name: str, tensor: torch.Tensor) -> None:
-        self.transient_peak[name] = max(self.transient_peak.get(name, 0), nbytes(tensor))
 
     # --- gradients: stage 1 -------------------------------------------------------------------
 
@@ -172,7 +168,7 @@ class Stage12(Strategy):
                 continue
             full.mul_(1.0 / self.num_ranks)  # mean, divided before the sum as DDP does
             fg.owned_grad = torch.empty(fg.layout.shard_numel, dtype=full.dtype, device=full.device)
-            self._note_transient("reduced_grad_shard", fg.owned_grad)
+            self.note_transient("reduced_grad_shard", fg.owned_grad)
             works.append(comm.reduce_scatter_tensor(fg.owned_grad, full, async_op=True))
         for work in works:
             work.wait()
@@ -206,7 +202,7 @@ class Stage12(Strategy):
         for fg in self.groups:
             grad = fg.owned_grad if fg.owned_grad.dtype == torch.float32 else fg.owned_grad.float()
             if grad is not fg.owned_grad:
-                self._note_transient("step_grad_fp32", grad)
+                self.note_transient("step_grad_fp32", grad)
             if coef != 1.0:
                 grad.mul_(coef)
             fg.master.grad = grad
@@ -304,7 +300,7 @@ class Stage2(Stage12):
             if p.grad is not None:  # None: unused in this backward
                 buffer[offset - start : offset - start + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
-        self._note_transient("reduce_bucket", buffer)
+        self.note_transient("reduce_bucket", buffer)
         works = []
         if self.num_ranks > 1:
             buffer.mul_(1.0 / self.num_ranks)
