@@ -64,3 +64,47 @@ class Branchy(nn.Module):
         if use_maybe:
             h = h + self.maybe(h)
         return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block: what a transformer layer is to a ZeRO-3 engine."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(h))))
+
+
+class BlockLM(nn.Module):
+    """Embedding -> blocks (block 0 runs twice; the last only when `use_last`) -> norm -> head tied
+    to the embedding: a repeated module, tied weights used outside their module, and a branch."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, num_blocks: int = 4, reuse_first: bool = True) -> None:
+        super().__init__()
+        self.reuse_first = reuse_first
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None, use_last: bool = True) -> torch.Tensor:
+        """The loss, or the logits when `targets` is None."""
+        h = self.embed(idx)
+        for block in self.blocks[:-1]:
+            h = block(h)
+        if self.reuse_first:
+            h = self.blocks[0](h)
+        if use_last:
+            h = self.blocks[-1](h)
+        logits = torch.nn.functional.linear(self.norm(h), self.embed.weight)
+        if targets is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def make_block_lm(seed: int = 0, **kwargs) -> BlockLM:
+    torch.manual_seed(seed)
+    return BlockLM(**kwargs)

@@ -137,7 +137,7 @@ def _engine_run(rank: int, world: int, stage: int, use_checkpointing: bool, drop
         checkpointing.apply(model)
     engine, *_ = zerodp.initialize(model=model, optimizer=lambda g: torch.optim.AdamW(g, lr=1e-2, foreach=True),
                                    config={"train_micro_batch_size_per_gpu": B, "gradient_clipping": 0,
-                                           "zero_optimization": {"stage": stage}})
+                                           "zero_optimization": _zero(stage)})
     losses = []
     for step in range(3):
         torch.manual_seed(100 * step + rank)  # dropout masks, same with and without checkpointing
@@ -145,10 +145,22 @@ def _engine_run(rank: int, world: int, stage: int, use_checkpointing: bool, drop
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return losses, [p.detach().clone() for p in model.parameters()], engine.memory_report()["activations"]
+    return losses, _full_params(model), engine.memory_report()["activations"]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+def _zero(stage: int) -> dict:
+    """Stage 3 shards every parameter (the default 1e5 threshold would keep these small ones whole)."""
+    return {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+
+
+def _full_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    import zerodp
+
+    with zerodp.zero.GatheredParameters(list(model.parameters())):  # a no-op below stage 3
+        return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_checkpointing_changes_no_number_at_any_stage(stage: int) -> None:
     plain = run_ranks(_engine_run, 2, args=(stage, False, 0.2))
     ckpt = run_ranks(_engine_run, 2, args=(stage, True, 0.2))
@@ -157,14 +169,37 @@ def test_checkpointing_changes_no_number_at_any_stage(stage: int) -> None:
         assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
 
 
-def test_ledger_reports_saved_activation_bytes_exactly() -> None:
+def _engine_backward_flops(rank: int, world: int, stage: int, use_checkpointing: bool) -> int:
+    import zerodp
+
+    model = Stack()
+    if use_checkpointing:
+        checkpointing.apply(model)
+    engine, *_ = zerodp.initialize(model=model, optimizer=lambda g: torch.optim.SGD(g, lr=0.1),
+                                   config={"train_micro_batch_size_per_gpu": B, "zero_optimization": _zero(stage)})
+    loss = engine(_data(rank))
+    with FlopCounterMode(display=False) as backward:
+        engine.backward(loss)
+    return backward.get_total_flops()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_through_the_engine_backward_recomputes_exactly_the_checkpointed_forward(stage: int) -> None:
+    """Stage 3's re-gathers for the recompute add no FLOPs and miss none."""
+    plain = run_ranks(_engine_backward_flops, 2, args=(stage, False))
+    ckpt = run_ranks(_engine_backward_flops, 2, args=(stage, True))
+    assert all(b - a == L * RECOMPUTED_PER_BLOCK for a, b in zip(plain, ckpt))
+
+
+@pytest.mark.parametrize("stage,world", [(0, 1), (3, 2)])
+def test_ledger_reports_saved_activation_bytes_exactly(stage: int, world: int) -> None:
     """Per block without checkpointing: fc1's input (4BD bytes) and the ReLU output (16BD, which
     fc2 also saves). With it: only the block's input (4BD). Outside the blocks: the head's input
-    (4BD) and the square's input (4B)."""
-    (_, _, plain), = run_ranks(_engine_run, 1, args=(0, False, 0.0))
-    (_, _, ckpt), = run_ranks(_engine_run, 1, args=(0, True, 0.0))
-    assert plain == {"cpu": L * 20 * B * D + 4 * B * D + 4 * B}
-    assert ckpt == {"cpu": L * 4 * B * D + 4 * B * D + 4 * B}
+    (4BD) and the square's input (4B). Stage 3's gathered parameters are not activations."""
+    plain = run_ranks(_engine_run, world, args=(stage, False, 0.0))[0][2]
+    ckpt = run_ranks(_engine_run, world, args=(stage, True, 0.0))[0][2]
+    assert plain == {"device": L * 20 * B * D + 4 * B * D + 4 * B}
+    assert ckpt == {"device": L * 4 * B * D + 4 * B * D + 4 * B}
 
 
 def _hf_gpt2(rank: int, world: int, stage: int, use_checkpointing: bool):
@@ -177,7 +212,7 @@ def _hf_gpt2(rank: int, world: int, stage: int, use_checkpointing: bool):
         model.gradient_checkpointing_enable()  # Hugging Face's own switch, default arguments
     engine, *_ = zerodp.initialize(model=model, optimizer=lambda g: torch.optim.AdamW(g, lr=1e-3, foreach=True),
                                    config={"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0,
-                                           "zero_optimization": {"stage": stage}})
+                                           "zero_optimization": _zero(stage)})
     losses = []
     for step in range(3):
         torch.manual_seed(100 + 10 * step + rank)  # GPT-2's dropout masks
@@ -186,10 +221,10 @@ def _hf_gpt2(rank: int, world: int, stage: int, use_checkpointing: bool):
         engine.backward(out.loss)
         engine.step()
         losses.append(out.loss.item())
-    return losses, [p.detach().clone() for p in model.parameters()], engine.memory_report()["activations"]["cpu"]
+    return losses, _full_params(model), engine.memory_report()["activations"]["device"]
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_hugging_face_gradient_checkpointing_enable_works_under_zerodp(stage: int) -> None:
     pytest.importorskip("transformers")
     (losses_a, params_a, saved_a), _ = run_ranks(_hf_gpt2, 2, args=(stage, False))

@@ -44,10 +44,12 @@ def test_config_check_without_world_size_says_how_to_give_it(tmp_path, capsys, m
     assert "world_size" in capsys.readouterr().err
 
 
-def test_demo_with_an_unbuilt_stage_is_a_message_not_a_traceback(capsys) -> None:
-    assert main(["demo", "--stage", "3"]) == 2
+def test_demo_with_an_unbuilt_feature_is_a_message_not_a_traceback(tmp_path, capsys) -> None:
+    path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+                             "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})
+    assert main(["demo", "--config", path]) == 2
     err = capsys.readouterr().err
-    assert "stage 3" in err and "not implemented yet" in err and "Traceback" not in err
+    assert "ratio=0.5" in err and "partial offload is not implemented" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv,standalone", [
@@ -85,3 +87,10 @@ def test_demo_trains_end_to_end_on_two_processes() -> None:
     assert result.returncode == 0, result.stderr
     assert "loss " in result.stdout and "memory ledger, rank 0" in result.stdout
     assert "param16" in result.stdout and "all_reduce[bfloat16]" in result.stdout
+
+
+def test_demo_at_stage_3_shards_the_parameters() -> None:
+    result = _zerodp("demo", "--steps", "4", "--stage", "3", timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "ZeRO stage 3" in result.stdout and "gathered_params" in result.stdout
+    assert "reduce_scatter[float32]" in result.stdout

@@ -124,10 +124,10 @@ def _ledgers(rank: int, world: int, precision: dict):
 def test_fp32_ledger_is_design_formula_exactly(world: int) -> None:
     for memory, comms, numel, num_tensors in run_ranks(_ledgers, world, args=({},)):
         held = memory["held"]
-        assert held["param32_master"]["cpu"] == 4 * numel
-        assert held["grad"]["cpu"] == 4 * numel
+        assert held["param32_master"]["device"] == 4 * numel
+        assert held["grad"]["device"] == 4 * numel
         # AdamW: exp_avg + exp_avg_sq (8 bytes per element) + one fp32 step counter per tensor
-        assert held["optim_state"]["cpu"] == 8 * numel + 4 * num_tensors
+        assert held["optim_state"]["device"] == 8 * numel + 4 * num_tensors
         assert memory["model_states"] == 16 * numel + 4 * num_tensors
         step = comms["last_step"]
         expected = 2 * numel if world > 1 else 0  # all-reduce = reduce-scatter + all-gather
@@ -142,10 +142,10 @@ def test_fp32_ledger_is_design_formula_exactly(world: int) -> None:
 def test_mixed_precision_ledger(precision: dict, grad_bytes: int) -> None:
     for memory, comms, numel, num_tensors in run_ranks(_ledgers, 2, args=(precision,)):
         held = memory["held"]
-        assert held["param16"]["cpu"] == 2 * numel
-        assert held["param32_master"]["cpu"] == 4 * numel
-        assert held["grad"]["cpu"] == grad_bytes * numel
-        assert held["optim_state"]["cpu"] == 8 * numel + 4 * num_tensors
+        assert held["param16"]["device"] == 2 * numel
+        assert held["param32_master"]["device"] == 4 * numel
+        assert held["grad"]["device"] == grad_bytes * numel
+        assert held["optim_state"]["device"] == 8 * numel + 4 * num_tensors
         step = comms["last_step"]
         assert step["total_numel"] == 2 * numel and step["total_bytes"] == grad_bytes * 2 * numel
         if grad_bytes == 2:  # the step casts the reduced 16-bit gradients once to fp32
@@ -192,13 +192,13 @@ def test_bad_config_fails_on_every_rank_before_communicating() -> None:
         run_ranks(_bad_config, 2, timeout=60)
 
 
-def _unbuilt_stage(rank: int, world: int):
-    _engine({"zero_optimization": {"stage": 3}})
+def _unbuilt_feature(rank: int, world: int):
+    _engine({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})
 
 
-def test_unbuilt_stage_is_a_clear_error() -> None:
-    with pytest.raises(RankFailed, match="stage 3 .* not implemented yet"):
-        run_ranks(_unbuilt_stage, 1, timeout=60)
+def test_unbuilt_feature_is_a_clear_error() -> None:
+    with pytest.raises(RankFailed, match="device=nvme: NVMe offload is not implemented yet"):
+        run_ranks(_unbuilt_feature, 1, timeout=60)
 
 
 def _user_optimizer_and_scheduler(rank: int, world: int):
@@ -236,9 +236,9 @@ def test_sharded_fp32_ledgers_are_design_formulas_exactly(stage: int, world: int
     for memory, comms, numel, _ in run_ranks(_ledgers, world, args=(config,)):
         padded, shard = _padded(numel, world)
         held = memory["held"]
-        assert held["param32_master"]["cpu"] == 4 * padded
-        assert held["grad"]["cpu"] == 4 * (padded if stage == 1 else shard)
-        assert held["optim_state"]["cpu"] == 8 * shard + 4
+        assert held["param32_master"]["device"] == 4 * padded
+        assert held["grad"]["device"] == 4 * (padded if stage == 1 else shard)
+        assert held["optim_state"]["device"] == 8 * shard + 4
         ops = comms["last_step"]["ops"]
         if world == 1:
             assert ops == {}
@@ -255,10 +255,10 @@ def test_sharded_bf16_ledger_keeps_masters_and_state_for_the_owned_shard_only(st
     for memory, _, numel, _ in run_ranks(_ledgers, 4, args=({"bf16": {"enabled": True}, "zero_optimization": {"stage": stage}},)):
         padded, shard = _padded(numel, 4)
         held = memory["held"]
-        assert held["param16"]["cpu"] == 2 * padded
-        assert held["param32_master"]["cpu"] == 4 * shard
-        assert held["grad"]["cpu"] == 2 * (padded if stage == 1 else shard)
-        assert held["optim_state"]["cpu"] == 8 * shard + 4
+        assert held["param16"]["device"] == 2 * padded
+        assert held["param32_master"]["device"] == 4 * shard
+        assert held["grad"]["device"] == 2 * (padded if stage == 1 else shard)
+        assert held["optim_state"]["device"] == 8 * shard + 4
         # design.md §3, mixed precision: stage 1 = 4Ψ + 12Ψ/N, stage 2 = 2Ψ + 14Ψ/N (+ padding, + step)
         expected = 4 * padded + 12 * shard if stage == 1 else 2 * padded + 14 * shard
         assert memory["model_states"] == expected + 4
@@ -323,7 +323,7 @@ def _two_backwards_and_empty_first_batch(rank: int, world: int):
         engine.backward(engine(*batch(rank, step, 0)), retain_graph=False)
         engine.backward(engine(*batch(rank, step, 1)))
         engine.step()
-    return engine.memory_report()["held"]["grad"]["cpu"], 4 * numel
+    return engine.memory_report()["held"]["grad"]["device"], 4 * numel
 
 
 def test_layout_rebuild_neither_hangs_nor_grows() -> None:

@@ -25,3 +25,44 @@ def test_cpu_checkpointing_keeps_checkpoint_inputs_in_host_memory() -> None:
     # the L block inputs moved to the host; what stays on the device is outside the blocks
     assert saved.bytes_by_tier["cpu"] == L * 4 * B * D
     assert saved.bytes_by_tier["cuda"] == 4 * B * D + 4 * B
+
+
+def _one_rank_nccl(fn):
+    """Run `fn()` in this process as a 1-rank NCCL job (the CUDA code paths: device tensors,
+    pinned host buffers, non-blocking copies)."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        return fn()
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_block_lm(zero: dict) -> tuple[list[float], dict]:
+    import zerodp
+    from tests.models import batch, make_block_lm
+
+    model = make_block_lm()
+    engine, *_ = zerodp.initialize(model=model, optimizer=lambda g: torch.optim.AdamW(g, lr=1e-2),
+                                   config={"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+                                           "zero_optimization": zero})
+    losses = []
+    for step in range(3):
+        loss = engine(*[t.cuda() for t in batch(0, step, 0)])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    pinned = all(t.is_pinned() for g in engine.optimizer.param_groups for t in g["params"] if t.device.type == "cpu")
+    return losses, (engine.memory_report(), pinned)
+
+
+def test_stage3_with_cpu_offload_on_cuda_matches_no_offload_and_pins_host_memory() -> None:
+    zero3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    offload = {**zero3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    (plain, _), (moved, (report, pinned)) = _one_rank_nccl(lambda: (_train_block_lm(zero3), _train_block_lm(offload)))
+    assert plain == moved
+    assert set(report["held"]["optim_state"]) == {"cpu"} and pinned  # 1 rank: params stay whole on the device

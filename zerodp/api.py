@@ -13,6 +13,7 @@ from zerodp import checkpointing, comm
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.engine import Engine
 from zerodp.log import log_rank0
+from zerodp.offload.cpu import Home
 from zerodp.optim import optimizer_factory, param_groups_from
 from zerodp.precision import DtypePolicy
 from zerodp.zero import strategy_class
@@ -59,11 +60,13 @@ def initialize(
     policy = DtypePolicy.from_config(cfg)
     strategy_cls = strategy_class(cfg)
     groups = param_groups_from(model, model_parameters, optimizer)
+    _check_partitioning(model, cfg)
     if dist_init_required is False and not comm.is_initialized():
         raise ValueError("dist_init_required=False but torch.distributed is not initialised")
     comm.init_distributed()
     device = comm.device_for_backend()
-    make_optimizer = optimizer_factory(optimizer, cfg.optimizer, device)
+    optimizer_device = Home.for_section(device, cfg.zero_optimization.offload_optimizer).device  # the host if offloaded
+    make_optimizer = optimizer_factory(optimizer, cfg.optimizer, optimizer_device)
     _check_ranks_agree(model, cfg, device)
     strategy = strategy_cls(cfg, policy, device)
     strategy.wrap(model, groups, make_optimizer)
@@ -74,6 +77,17 @@ def initialize(
     comm.ledger.end_init()
     log_rank0("zerodp: stage %d, %s, %s", cfg.zero_optimization.stage, cfg.precision, cfg.batch.describe())
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _check_partitioning(model: nn.Module, cfg: ZeroDPConfig) -> None:
+    from zerodp.zero import is_partitioned
+
+    partitioned = [n for n, p in model.named_parameters() if is_partitioned(p)]
+    if partitioned and cfg.zero_optimization.stage != 3:
+        raise ValueError(
+            f"{len(partitioned)} parameters (e.g. '{partitioned[0]}') are partitioned (built under zerodp.zero.Init, "
+            f"or already trained by a stage-3 engine) but zero_optimization.stage is {cfg.zero_optimization.stage}: "
+            "set stage 3, or build the model without zero.Init")
 
 
 def _known_world_size() -> int | None:
@@ -110,7 +124,7 @@ def _check_ranks_agree(model: nn.Module, cfg: ZeroDPConfig, device: torch.device
     raises naming the ranks that differ (instead of hanging or silently diverging later)."""
     if comm.get_world_size() == 1:
         return
-    shapes = ";".join(f"{n}:{tuple(p.shape)}:{p.requires_grad}" for n, p in model.named_parameters())
+    shapes = ";".join(f"{n}:{tuple(getattr(p, 'ds_shape', p.shape))}:{p.requires_grad}" for n, p in model.named_parameters())
     row = torch.tensor([zlib.crc32(cfg.model_dump_json().encode()), zlib.crc32(shapes.encode())],
                        dtype=torch.int64, device=device)
     rows = comm.all_gather_rows(row).tolist()

@@ -290,7 +290,7 @@ class SavedActivations:
         if tensor.layout != torch.strided or tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        key = storage._cdata  # the storage object: stable across stage 3's resize_ of gathered buffers
         if key in self.excluded or key in self.seen:
             return
         self.seen.add(key)
@@ -307,7 +307,7 @@ _active: SavedActivations | None = None
 
 def storage_keys(tensors: Any) -> set[int]:
     """Identities of the storages behind `tensors` (to leave parameters out of the count)."""
-    return {t.untyped_storage().data_ptr() for t in tensors}
+    return {t.untyped_storage()._cdata for t in tensors}
 
 
 @contextmanager

@@ -171,6 +171,11 @@ def get_world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
+def backend() -> str | None:
+    """The default group's backend ("gloo", "nccl"), None without a process group."""
+    return dist.get_backend() if is_initialized() else None
+
+
 def device_for_backend() -> torch.device:
     """The device tensors must live on for the default group's collectives."""
     if is_initialized() and dist.get_backend() == "nccl":

@@ -63,7 +63,7 @@ class Engine(nn.Module):
         self._in_step = False  # managed_gradient_accumulation=false: the boundary is step() itself
         self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses, for the metrics
         self._num_losses = 0
-        self._param_storages = checkpointing.storage_keys(module.parameters())  # not activations
+        self._param_storages = checkpointing.storage_keys(strategy.parameter_storages())  # not activations
         self._saved_peak: dict[str, int] = {}  # saved-activation bytes, this step's largest micro-batch
         self.saved_activations_peak: dict[str, int] = {}  # ... of the last completed step
         self._step_started = time.perf_counter()
@@ -190,7 +190,8 @@ class Engine(nn.Module):
         """Run the wrapped module (inputs cast to fp16 when `fp16.auto_cast`)."""
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
-        with self.timers("fwd"), checkpointing.count_saved_activations(self._param_storages) as saved:
+        with self.timers("fwd"), self._explained_errors(), \
+                checkpointing.count_saved_activations(self._param_storages) as saved:
             out = self.module(*args, **kwargs)
         if saved.total > sum(self._saved_peak.values()):
             self._saved_peak = dict(saved.bytes_by_tier)
@@ -207,12 +208,23 @@ class Engine(nn.Module):
         detached = loss.detach().float()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._num_losses += 1
-        with self.timers("bwd"):
+        with self.timers("bwd"), self._explained_errors():
             self.strategy.before_backward(boundary)
             to_backward = scaled * self.loss_scaler.loss_scale if self.loss_scaler.loss_scale != 1.0 else scaled
             to_backward.backward(retain_graph=retain_graph)
             self.strategy.after_backward(boundary)
         return scaled
+
+    @contextmanager
+    def _explained_errors(self) -> Iterator[None]:
+        """Add the strategy's hint to an error raised in the model's forward or backward."""
+        try:
+            yield
+        except RuntimeError as err:
+            hint = self.strategy.error_hint()
+            if hint and hasattr(err, "add_note"):  # Python >= 3.11
+                err.add_note(hint)
+            raise
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Call after every backward: at the accumulation boundary unscale, clip, run the optimizer and
@@ -315,11 +327,43 @@ class Engine(nn.Module):
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the full working-precision weights to `save_dir/save_filename` from rank 0 (a
+        `.safetensors` name writes safetensors, tied aliases once); call it on every rank. At stage 3
+        it needs `stage3_gather_16bit_weights_on_model_save` (parameters are gathered one unit at a
+        time into rank 0's host memory). Returns True."""
+        from pathlib import Path
+
+        from zerodp.checkpoint.convert import write_safetensors
+        from zerodp.checkpoint.save import tied_names
+
+        state = self.module.state_dict()  # stage 3: gathers (or explains the missing config key)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {n: t for n, t in state.items() if n not in frozen}
+        if comm.get_rank() == 0:
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            if path.suffix == ".safetensors":
+                aliases = tied_names(self.module)
+                write_safetensors(tmp, [(n, t.contiguous()) for n, t in state.items() if n not in aliases])
+            else:
+                torch.save(state, tmp)
+            tmp.replace(path)
+            log_rank0("saved 16-bit model weights to %s", path)
+        comm.barrier()
+        return True
+
     def memory_report(self) -> dict:
-        """Bytes this rank holds, by category and tier (see zerodp.memory), plus transient peaks,
-        plus `activations`: what autograd saved for backward at the peak of the last step, by tier
-        (zerodp.checkpointing's [Note: counting saved activations])."""
-        return {**self.strategy.ledger().report(), "activations": dict(self.saved_activations_peak)}
+        """Bytes this rank holds, by category and tier ("device", "cpu" when offloaded, "nvme"; see
+        zerodp.memory), plus transient peaks, plus `activations`: what autograd saved for backward
+        at the peak of the last step, by tier (zerodp.checkpointing's [Note: counting saved
+        activations])."""
+        device = self.device.type
+        activations = {("device" if tier == device else tier): b for tier, b in self.saved_activations_peak.items()}
+        return {**self.strategy.ledger().report(), "activations": activations}
 
     def comm_report(self) -> dict:
         """Collectives per op and dtype, in elements and bytes: of the last optimizer step, of

@@ -3,7 +3,8 @@
 A strategy lists its long-lived tensors (flat buffers, master copies, optimizer state) into a
 `MemoryLedger` each time a report is asked for, so the report can never drift from what is held.
 Transient buffers (a step's fp32 gradient copy, buckets) are recorded by their peak size, apart
-from model states. Categories are design.md's vocabulary.
+from model states. Categories are design.md's vocabulary; tiers say where the bytes are: "device"
+(what the model trains on, even when that is the CPU), "cpu" (offloaded to host memory), "nvme".
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ class Category(str, Enum):
     BUFFER = "buffer"  # module buffers (running stats, position ids)
 
 
+DEVICE, CPU, NVME = "device", "cpu", "nvme"
+"""Memory tiers: the device the model trains on (a GPU, or the CPU on a CPU-only machine), host
+memory used to offload from it, and files on NVMe."""
+
 MODEL_STATE_CATEGORIES = (Category.PARAM16, Category.PARAM32_MASTER, Category.GRAD, Category.OPTIM_STATE)
-
-
-def tier_of(tensor: torch.Tensor) -> str:
-    """The memory tier a tensor lives in: "cuda", "cpu", ... (nvme tiers are added by offload)."""
-    return tensor.device.type
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -46,12 +46,12 @@ class MemoryLedger:
     held: dict[tuple[Category, str], int] = field(default_factory=lambda: defaultdict(int))
     transient_peak: dict[str, int] = field(default_factory=dict)
 
-    def add(self, category: Category, tensors: torch.Tensor | Iterable[torch.Tensor]) -> None:
-        """Count `tensors` (never views of something already counted) under `category`."""
+    def add(self, category: Category, tensors: torch.Tensor | Iterable[torch.Tensor], tier: str = DEVICE) -> None:
+        """Count `tensors` (never views of something already counted) under `category`, in `tier`."""
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         for t in tensors:
-            self.held[(category, tier_of(t))] += nbytes(t)
+            self.held[(category, tier)] += nbytes(t)
 
     def add_bytes(self, category: Category, tier: str, num_bytes: int) -> None:
         """Count bytes that are not a torch tensor (a file on NVMe, say)."""

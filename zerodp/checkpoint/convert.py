@@ -107,6 +107,13 @@ def convert_to_safetensors(ckpt_dir: str | Path, out_dir: str | Path, tag: str |
 
 
 def _write_shard(out: Path, index: int, tensors: list[tuple[str, torch.Tensor]]) -> Path:
+    path = out / f"shard_{index}.tmp"
+    write_safetensors(path, tensors)
+    return path
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Write (name, contiguous tensor) pairs as one safetensors file (no shared storage allowed)."""
     header, offset = {}, 0
     for name, t in tensors:
         if t.dtype not in _SAFETENSORS_DTYPES:
@@ -117,12 +124,10 @@ def _write_shard(out: Path, index: int, tensors: list[tuple[str, torch.Tensor]])
     header["__metadata__"] = {"format": "pt"}
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    path = out / f"shard_{index}.tmp"
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)) + encoded)
         for _, t in tensors:
             f.write(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return path
 
 
 def _finish_names(out: Path, written: list[Path], weight_map: dict[str, int]) -> list[Path]:

@@ -53,7 +53,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, load_mod
 
 def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, dict]:
     meta = read_meta(tag_dir)
-    shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
+    shapes = {n: list(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}  # stage 3: full
     trainable = _trainable_names(engine)
     saved = {n: info["shape"] for n, info in meta["params"].items()}
     wrong = [f"{n} (saved {saved[n]}, model {shapes[n]})" for n in trainable if n in saved and saved[n] != shapes[n]]
@@ -132,11 +132,7 @@ def _load_rest(engine: Any, tag_dir: Path, meta: dict, state: dict, module_only:
                with_scheduler: bool) -> None:
     """Buffers and frozen parameters; then, unless module_only, counters, scaler, scheduler, the
     data loader's position, RNG."""
-    with torch.no_grad():
-        current = engine.module.state_dict()
-        for name, tensor in state["module_extra"].items():
-            if name in current:
-                current[name].copy_(tensor)
+    engine.strategy.load_full_state(state["module_extra"])
     if module_only:
         return
     engine.strategy.load_layout_state(state.get("strategy_layout"))

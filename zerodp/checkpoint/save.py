@@ -41,7 +41,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_s
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
             tmp.mkdir(parents=True)
         comm.barrier()
-        files = on_every_rank(lambda: _write_files(engine, tmp, rank, world, client_state or {}, exclude_frozen_parameters))
+        extra = _module_extra(engine, exclude_frozen_parameters)  # stage 3 gathers: every rank
+        files = on_every_rank(lambda: _write_files(engine, tmp, rank, world, client_state or {}, extra))
         digests = _gather_digests(tmp, files, world)
         if rank == 0:
             _publish(engine, root, tag, tmp, digests, save_latest)
@@ -76,11 +77,11 @@ def _check_tag_on_all_ranks(tag: str, policy: str) -> None:
     logger.warning(message)
 
 
-def _write_files(engine: Any, tmp: Path, rank: int, world: int, client_state: dict, exclude_frozen: bool) -> list[str]:
+def _write_files(engine: Any, tmp: Path, rank: int, world: int, client_state: dict, extra: dict) -> list[str]:
     """This rank's shard and RNG files; rank 0 also engine.pt. Returns the file names."""
     files = _write_rank_files(engine, tmp, rank, world)
     if rank == 0:
-        torch_save_synced(_engine_state(engine, client_state, exclude_frozen), tmp / ENGINE)
+        torch_save_synced(_engine_state(engine, client_state, extra), tmp / ENGINE)
         files.append(ENGINE)
     return files
 
@@ -109,15 +110,18 @@ def _rng_state() -> dict:
     return state
 
 
-def _engine_state(engine: Any, client_state: dict, exclude_frozen: bool) -> dict:
-    optimizer = engine.optimizer
+def _module_extra(engine: Any, exclude_frozen: bool) -> dict:
+    """Buffers and frozen parameters by state-dict name (trainable ones are in the rank files)."""
     names = _trainable_numels(engine.strategy)
     trainable = {id(p) for n, p in engine.module.named_parameters() if n in names}
-    aliases = {n for n, p in engine.module.named_parameters(remove_duplicate=False) if id(p) in trainable}
-    extra = {n: t.detach().cpu() for n, t in engine.module.state_dict().items() if n not in aliases}
-    if exclude_frozen:
-        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
-        extra = {n: t for n, t in extra.items() if n not in frozen}
+    skip = {n for n, p in engine.module.named_parameters(remove_duplicate=False)
+            if id(p) in trainable or (exclude_frozen and not p.requires_grad)}
+    extra = engine.strategy.gathered_state_dict(keep=lambda n: n not in skip)
+    return {n: t.detach().cpu() for n, t in extra.items()}
+
+
+def _engine_state(engine: Any, client_state: dict, extra: dict) -> dict:
+    optimizer = engine.optimizer
     return {
         "format_version": FORMAT_VERSION,
         "counters": {k: getattr(engine, k) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
@@ -179,7 +183,7 @@ def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, save_l
         "format_version": FORMAT_VERSION, "tag": tag, "stage": engine.zero_optimization_stage(),
         "world_size": world, "precision": engine.config.precision, "optimizer": type(engine.optimizer).__name__,
         "params": _trainable_shapes(engine),
-        "tied": _tied_names(engine.module),
+        "tied": tied_names(engine.module),
         "files": digests,
     }
     fsync_write(tmp / META, json.dumps(meta, indent=1).encode())
@@ -200,7 +204,7 @@ def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, save_l
         fsync_dir(root)
 
 
-def _tied_names(module: torch.nn.Module) -> dict[str, str]:
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
     """{alias: name} for parameters reachable under several names (a head tied to an embedding)."""
     first: dict[int, str] = {}
     tied = {}
@@ -216,7 +220,7 @@ def _trainable_shapes(engine: Any) -> dict[str, dict]:
     """{name: {"shape", "dtype"}} of every trainable parameter (the working dtype; pieces are fp32)."""
     named = dict(engine.module.named_parameters())
     names = _trainable_numels(engine.strategy)
-    return {n: {"shape": list(named[n].shape), "dtype": str(named[n].dtype).removeprefix("torch.")} for n in names}
+    return {n: {"shape": list(getattr(named[n], "ds_shape", named[n].shape)), "dtype": str(named[n].dtype).removeprefix("torch.")} for n in names}
 
 
 def _trainable_numels(strategy: Any) -> dict[str, int]:

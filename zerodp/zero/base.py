@@ -16,14 +16,17 @@ rank), then either `step(loss_scale, max_norm)` or nothing, then `zero_grad()`.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
+from zerodp import comm
 from zerodp.memory import MemoryLedger
-from zerodp.precision import DtypePolicy
+from zerodp.offload.cpu import Home
+from zerodp.precision import DtypePolicy, has_inf_or_nan
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 """Builds the optimizer over the param groups a strategy hands it (its own tensors, the
@@ -56,6 +59,9 @@ class Strategy(abc.ABC):
         self.policy = policy
         self.device = device
         self.transient_peak: dict[str, int] = {}  # short-lived buffers, by name: largest size seen
+        zero = config.zero_optimization
+        self.home = Home.for_section(device, zero.offload_optimizer)  # masters, optimizer state, grad shards
+        self.param_home = Home.for_section(device, zero.offload_param)  # stage-3 parameter shards
 
     def note_transient(self, name: str, tensor: torch.Tensor) -> None:
         """Record a short-lived buffer's size for the ledger's transient peaks."""
@@ -119,9 +125,65 @@ class Strategy(abc.ABC):
     def load_layout_state(self, state: dict | None) -> None:
         """Restore what `layout_state` returned (between steps, gradients zero)."""
 
+    def error_hint(self) -> str | None:
+        """A line added to an error raised in the model's forward or backward (what this stage changes)."""
+        return None
+
+    def parameter_storages(self) -> list[torch.Tensor]:
+        """Tensors whose storages hold the parameters (left out of the saved-activation count)."""
+        return list(self.module.parameters())
+
+    def gathered_state_dict(self, keep: Callable[[str], bool] | None = None) -> dict:
+        """The module's state dict with full tensors (entries whose name passes `keep`), on rank 0
+        at least: stage 3 gathers one unit at a time and returns {} on other ranks. Every rank calls."""
+        return {n: t for n, t in self.module.state_dict().items() if keep is None or keep(n)}
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy full values (buffers, frozen parameters, by state-dict name) into the module; every
+        rank passes the same values, no communication."""
+        current = {**dict(self.module.named_buffers(remove_duplicate=False)),
+                   **dict(self.module.named_parameters(remove_duplicate=False))}
+        for name, tensor in state.items():
+            if name in current:
+                current[name].copy_(tensor)
+
     @abc.abstractmethod
     def ledger(self) -> MemoryLedger:
         """Every long-lived byte this strategy holds, by category and tier, plus transient peaks."""
+
+
+def sum_over_ranks_grad_stats(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[sum of squares of all `grads`, number of ranks whose grads hold inf/nan], summed over ranks
+    in one 2-element all-reduce, so every rank takes the same decision (sharded stages)."""
+    if grads:
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        stats = torch.stack([torch.stack(norms).square().sum(), has_inf_or_nan(grads).to(torch.float32)])
+    else:
+        stats = torch.zeros(2)
+    stats = stats.to(device)  # offloaded grads are on the host; NCCL reduces device tensors
+    if comm.get_world_size() > 1:
+        comm.all_reduce(stats)
+    return stats
+
+
+def unscaled_clipped_fp32(strategy: Strategy, grads: list[torch.Tensor], sum_sq: float, loss_scale: float,
+                          max_norm: float) -> tuple[float, list[torch.Tensor]]:
+    """The global gradient norm (before clipping) and `grads` as fp32 on the optimizer's device,
+    multiplied in place by 1/loss_scale x torch.nn.utils.clip_grad_norm_'s clip coefficient."""
+    total_norm = math.sqrt(sum_sq) / loss_scale
+    coef = 1.0 / loss_scale
+    if max_norm > 0:
+        coef *= min(1.0, max_norm / (total_norm + 1e-6))
+    out = []
+    for grad in grads:
+        fp32 = strategy.home.fp32(grad)  # the host when the optimizer is offloaded
+        if fp32 is not grad:
+            strategy.note_transient("step_grad_fp32", fp32)
+        if coef != 1.0:
+            fp32.mul_(coef)
+        out.append(fp32)
+    return total_norm, out
 
 
 def elementwise_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -24,16 +24,17 @@ one 2-element all-reduce (sum of squares, overflow count), so every rank takes t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from zerodp import comm
-from zerodp.memory import Category, MemoryLedger, optimizer_state_tensors
-from zerodp.precision import first_nonfinite, has_inf_or_nan
-from zerodp.zero.base import OptimizerFactory, Piece, Strategy, elementwise_state
+from zerodp.memory import DEVICE, Category, MemoryLedger, optimizer_state_tensors
+from zerodp.offload.cpu import Home
+from zerodp.precision import first_nonfinite
+from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, elementwise_state, sum_over_ranks_grad_stats,
+                              unscaled_clipped_fp32)
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
 from zerodp.zero.layout import Bucket, GroupLayout, assign_buckets, group_layout, owner_pieces
@@ -52,7 +53,7 @@ class FlatGroup:
     """One param group flattened into `flat_param`; this rank owns `flat_param[owned]`."""
 
     def __init__(self, params: list[nn.Parameter], layout: GroupLayout, rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, home: Home) -> None:
         self.params = params
         self.layout = layout
         self.flat_param = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
@@ -64,15 +65,11 @@ class FlatGroup:
         start, stop = layout.owned_range(rank)
         self.owned = slice(start, stop)
         owned = self.flat_param[self.owned]
-        # fp32 training: the owned slice is its own master; 16-bit: an fp32 copy.
-        self.master = owned if dtype == torch.float32 else owned.float()
+        # fp32 training: the owned slice is its own master; 16-bit or offloaded: an fp32 copy.
+        self.master = home.master_of(owned)
+        self.separate_master = self.master is not owned
         self.flat_grad: FlatGradBuffer | None = None  # stage 1: full-size accumulation
         self.owned_grad: torch.Tensor | None = None  # stage 1: reduced at the boundary; stage 2: persistent
-
-    @property
-    def separate_master(self) -> bool:
-        """True for 16-bit params (an fp32 copy); in fp32 the master is the owned slice itself."""
-        return self.master.dtype != self.flat_param.dtype
 
     def named_owned_grads(self, names: dict) -> list[tuple[str, torch.Tensor]]:
         """(parameter name, its piece of the owned gradient shard), in flat order."""
@@ -84,7 +81,7 @@ class FlatGroup:
         """Write the updated master shard into the flat buffer and all-gather every rank's shard."""
         owned = self.flat_param[self.owned]
         if self.separate_master:
-            owned.copy_(self.master)
+            Home.publish(owned, self.master)
         if num_ranks > 1:
             comm.all_gather_into_tensor(self.flat_param, owned)  # in place
 
@@ -115,13 +112,13 @@ class Stage12(Strategy):
         for p in order:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.optimizer = make_optimizer([{**g, "params": [fg.master]} for g, fg in zip(param_groups, self.groups)])
-        _check_elementwise(self.optimizer, self.config)
+        check_elementwise(self.optimizer, self.config)
         self._stats: torch.Tensor | None = None
 
     def _flat_group(self, params: list[nn.Parameter]) -> FlatGroup:
         params = sorted(params, key=self.position.__getitem__)  # flat order = registration order
         layout = group_layout([p.numel() for p in params], self.num_ranks)
-        return FlatGroup(params, layout, self.rank, self.policy.param_dtype, self.device)
+        return FlatGroup(params, layout, self.rank, self.policy.param_dtype, self.device, self.home)
 
     # --- gradients: stage 1 -------------------------------------------------------------------
 
@@ -178,12 +175,7 @@ class Stage12(Strategy):
     def _global_stats(self) -> torch.Tensor:
         """[sum of squares of all owned gradients, number of ranks with inf/nan], same on every rank."""
         if self._stats is None:
-            grads = [fg.owned_grad for fg in self.groups]
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-            stats = torch.stack([torch.stack(norms).square().sum(), has_inf_or_nan(grads).to(torch.float32)])
-            if self.num_ranks > 1:
-                comm.all_reduce(stats)
-            self._stats = stats
+            self._stats = sum_over_ranks_grad_stats([fg.owned_grad for fg in self.groups], self.device)
         return self._stats
 
     def found_overflow(self) -> bool:
@@ -194,17 +186,9 @@ class Stage12(Strategy):
 
     @torch.no_grad()
     def step(self, loss_scale: float, max_norm: float) -> float:
-        total_norm = math.sqrt(float(self._global_stats()[0])) / loss_scale
-        coef = 1.0 / loss_scale
-        if max_norm > 0:
-            # torch.nn.utils.clip_grad_norm_'s rule, on the true global norm over all shards
-            coef *= min(1.0, max_norm / (total_norm + 1e-6))
-        for fg in self.groups:
-            grad = fg.owned_grad if fg.owned_grad.dtype == torch.float32 else fg.owned_grad.float()
-            if grad is not fg.owned_grad:
-                self.note_transient("step_grad_fp32", grad)
-            if coef != 1.0:
-                grad.mul_(coef)
+        total_norm, grads = unscaled_clipped_fp32(self, [fg.owned_grad for fg in self.groups],
+                                                  float(self._global_stats()[0]), loss_scale, max_norm)
+        for fg, grad in zip(self.groups, grads):
             fg.master.grad = grad
         self.optimizer.step()
         for fg in self.groups:
@@ -243,8 +227,9 @@ class Stage12(Strategy):
 
     # --- reports -------------------------------------------------------------------------------
 
-    def _grad_tensors(self) -> list[torch.Tensor]:
-        return [fg.flat_grad.buffer for fg in self.groups]
+    def _grad_tensors(self) -> tuple[list[torch.Tensor], str]:
+        """The gradient buffers held for the life of training, and their tier."""
+        return [fg.flat_grad.buffer for fg in self.groups], DEVICE
 
     def ledger(self) -> MemoryLedger:
         led = MemoryLedger()
@@ -252,9 +237,9 @@ class Stage12(Strategy):
         tensors = [fg.flat_param for fg in self.groups] + [p for p in self.module.parameters() if p not in trainable]
         for t in tensors:  # the fp32 params are their own master
             led.add(Category.PARAM32_MASTER if t.dtype == torch.float32 else Category.PARAM16, t)
-        led.add(Category.PARAM32_MASTER, [fg.master for fg in self.groups if fg.separate_master])
-        led.add(Category.GRAD, self._grad_tensors())
-        led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer))
+        led.add(Category.PARAM32_MASTER, [fg.master for fg in self.groups if fg.separate_master], self.home.tier)
+        led.add(Category.GRAD, *self._grad_tensors())
+        led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer), self.home.tier)
         led.add(Category.BUFFER, list(self.module.buffers()))
         led.transient_peak.update(self.transient_peak)
         return led
@@ -273,7 +258,7 @@ class Stage2(Stage12):
         zero = self.config.zero_optimization
         self.use_reduce = zero.reduce_scatter
         for fg in self.groups:
-            fg.owned_grad = torch.zeros(fg.layout.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.device)
+            fg.owned_grad = self.home.zeros(fg.layout.shard_numel, self.policy.grad_accum_dtype)
         # Every group's buckets, the last parameters' first: that is when backward produces them.
         buckets = [(fg, b) for fg in self.groups
                    for b in assign_buckets(list(fg.layout.numels), int(zero.reduce_bucket_size))]
@@ -321,7 +306,7 @@ class Stage2(Stage12):
         stop = start + flight.buffer.numel()
         for r, a, b in owner_pieces(start, stop, fg.layout.shard_numel):
             if r == self.rank:
-                fg.owned_grad[a - fg.owned.start : b - fg.owned.start] += flight.buffer[a - start : b - start]
+                Home.accumulate(fg.owned_grad[a - fg.owned.start : b - fg.owned.start], flight.buffer[a - start : b - start])
 
     def after_backward(self, boundary: bool) -> None:
         """Every micro-batch: launch what is left (parameters unused in this backward), wait for all."""
@@ -337,11 +322,11 @@ class Stage2(Stage12):
         for fg in self.groups:
             fg.owned_grad.zero_()
 
-    def _grad_tensors(self) -> list[torch.Tensor]:
-        return [fg.owned_grad for fg in self.groups]
+    def _grad_tensors(self) -> tuple[list[torch.Tensor], str]:
+        return [fg.owned_grad for fg in self.groups], self.home.tier
 
 
-def _check_elementwise(optimizer: torch.optim.Optimizer, config) -> None:
+def check_elementwise(optimizer: torch.optim.Optimizer, config) -> None:
     """Refuse optimizers that would compute whole-tensor statistics over a shard."""
     name = type(optimizer).__name__
     if name in ELEMENTWISE_OPTIMIZERS or config.zero_allow_untested_optimizer:

@@ -1,0 +1,78 @@
+"""Where a strategy keeps the optimizer's tensors and the parameter shards: on the device, or in
+host memory (ZeRO-Offload: `offload_optimizer.device: cpu`, `offload_param.device: cpu`).
+
+[Note: CPU offload]
+With `offload_optimizer.device: cpu` the fp32 master of the owned shard, the optimizer state and
+the reduced gradient shard live in host memory (pinned when CUDA is present and `pin_memory` is
+on). Each reduced gradient piece is copied down as it is produced (stages 2 and 3; stage 1 reduces
+once, at the boundary) and accumulated there; the optimizer steps on the CPU (torch's fused AdamW,
+which bench/cpu_adam.py measures against DeepSpeed's CPUAdam); the updated shard is copied back to
+the device in working precision. With `offload_param.device: cpu` (stage 3) the parameter shards
+live on the host too and are copied to the device just before their all-gather. The device then
+holds only the units being computed and the buffers in flight. Nothing changes numerically: the
+same fp32 operations run on the same values, so offloaded training is bitwise equal to
+non-offloaded training in fp32 (tests/test_offload.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerodp.memory import CPU, DEVICE
+
+
+class Home:
+    """One place tensors live: the device, or host memory standing in for it."""
+
+    def __init__(self, device: torch.device, offload: bool, pin_memory: bool) -> None:
+        self.compute_device = device  # where the model trains
+        self.offload = offload
+        self.device = torch.device("cpu") if offload else device
+        self.pin = offload and pin_memory and torch.cuda.is_available()
+        self.tier = CPU if offload else DEVICE
+
+    @classmethod
+    def for_section(cls, device: torch.device, section) -> Home:
+        """From a config `offload_optimizer` / `offload_param` section (None or device none: no offload)."""
+        offload = section is not None and section.device == "cpu"
+        return cls(device, offload, bool(section is not None and section.pin_memory))
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.empty(numel, dtype).zero_()
+
+    def holding(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` itself when it already lives here, else a copy here (same dtype)."""
+        if tensor.device == self.device and not self.offload:
+            return tensor
+        copy = self.empty(tensor.numel(), tensor.dtype)
+        copy.copy_(tensor.reshape(-1))
+        return copy
+
+    def master_of(self, shard: torch.Tensor) -> torch.Tensor:
+        """The fp32 master of a working-precision shard: the shard itself (fp32, no offload), else
+        an fp32 copy here."""
+        if shard.dtype == torch.float32 and not self.offload:
+            return shard
+        master = self.empty(shard.numel(), torch.float32)
+        master.copy_(shard)
+        return master
+
+    @staticmethod
+    def accumulate(dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst += src, copying `src` to dst's device first (a reduced piece going down to the host)."""
+        dst.add_(src if src.device == dst.device else src.to(dst.device))
+
+    def fp32(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` as fp32 here: itself when it already is, else a converted copy (a transient)."""
+        if tensor.dtype == torch.float32 and tensor.device == self.device:
+            return tensor
+        return tensor.to(device=self.device, dtype=torch.float32)
+
+    @staticmethod
+    def publish(dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy an updated master `src` into working shard `dst` (casting), unless it is `dst`."""
+        if src is not dst:
+            dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())

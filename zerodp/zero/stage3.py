@@ -1,0 +1,612 @@
+"""Stage 3: parameters, gradients and optimizer states partitioned across ranks.
+
+Each rank keeps only its owned shard of every unit's flat buffers (zero/units.py), plus the fp32
+master and optimizer state for that shard. A unit is all-gathered just before its forward and
+released after it, gathered again for its backward, and its gradients are reduce-scattered into
+the owned gradient shard as soon as they are final. Communication per step is 3Ψ: all-gather in
+forward, all-gather in backward, reduce-scatter (design.md §4).
+
+[Note: stage-3 hooks]
+- forward pre-hook: gather the unit (or wait for its prefetch), prefetch the next units of the
+  recorded order, and route the inputs that need grad through `_PostBackward`;
+- forward hook: register a pre-backward hook on the outputs that need grad (it gathers the unit
+  again when backward reaches them), then release the unit; the root unit stays gathered until
+  the end of backward (FSDP2's root);
+- post-accumulate-grad hook per trainable parameter: when all of a unit's gradients are final,
+  its reduce-scatter is launched, in a fixed unit order on every rank (zero/buckets.py);
+- forward hooks that run during backward (activation checkpointing's recomputation) only make
+  sure the unit is gathered: no release, no trace, no new backward hooks;
+- a submodule of a unit called on its own while the unit is released (`model.embed(ids)` outside
+  the model's forward) gathers the unit around that call.
+
+[Note: when a unit is released in backward]
+Once backward has computed the gradients of every input of every call of the unit
+(`calls_pending` = 0) and every trainable parameter's gradient is final (`grads_pending` = 0),
+nothing in backward reads its parameters any more. A unit whose inputs need no grad (the first
+block of a LoRA model) or with a parameter unused in this backward stays gathered until the end
+of backward, when every unit is released.
+
+[Note: prefetch and the recorded order]
+The first forward and backward record the order units run in (`_Trace`). Later passes follow
+that order and, after gathering unit i, start the all-gathers of the next units while the
+compute runs: at most `stage3_prefetch_bucket_size` elements ahead and never more than
+`stage3_max_live_parameters` gathered at once. A pass that runs units in another order (a branch
+taken on some steps only) stops prefetching at the first difference and its order is recorded
+for the next pass, so a prefetch never waits for a unit that does not come. Every rank makes the
+same decisions because they run the same units. Ranks that run different modules must not pair up
+the wrong gathers: on gloo (where it is cheap) and with `zero_optimization.enable_sanity_checks`
+every gather is preceded by an 8-byte all-gather of the unit's index, and ranks about to gather
+different units raise naming them. On NCCL without sanity checks that would cost a host sync per
+gather, so a hash of the order is compared at the end of every backward instead (it catches ranks
+that ran different units of the same sizes; different sizes end in the collective timeout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from zerodp import comm
+from zerodp.log import logger
+from zerodp.memory import DEVICE, Category, MemoryLedger, optimizer_state_tensors
+from zerodp.offload.cpu import Home
+from zerodp.precision import first_nonfinite
+from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, elementwise_state, sum_over_ranks_grad_stats,
+                              unscaled_clipped_fp32)
+from zerodp.zero.buckets import BucketSequence
+from zerodp.zero.flat import trainable_in_registration_order
+from zerodp.zero.init import gather_init_param, is_partitioned
+from zerodp.zero.stage12 import MAX_BUCKETS_IN_FLIGHT, check_elementwise
+from zerodp.zero.units import FlatShard, Unit, UnitState, mark_leaf_modules_from_config, plan_units
+
+
+class Stage3(Strategy):
+    """ZeRO stage 3: parameters, gradients and optimizer states partitioned."""
+
+    reduces_every_micro_batch = True
+
+    def wrap(self, module: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> None:
+        self.module = module
+        self.rank, self.num_ranks = comm.get_rank(), comm.get_world_size()
+        zero = self.config.zero_optimization
+        self.prefetch_numel = 0 if zero.stage3_allgather_sequential else int(zero.stage3_prefetch_bucket_size)
+        self.max_live_numel = int(zero.stage3_max_live_parameters)
+        # cheap on gloo; on NCCL a host sync per gather, so only on request (see [Note: prefetch ...])
+        self.sanity_checks = zero.enable_sanity_checks or comm.backend() == "gloo"
+        trainable_in_registration_order(module, param_groups)  # every optimizer param is the model's
+        self.names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
+        self._build_units(module, param_groups)
+        self._place_buffers(module)
+        self.optimizer = make_optimizer(self._optimizer_groups(param_groups))
+        check_elementwise(self.optimizer, self.config)
+        self._install_hooks()
+        self.trace = _Trace()
+        self._stats: torch.Tensor | None = None
+        self.in_flight: list[tuple[Unit, torch.Tensor, object]] = []
+
+    # --- set-up ------------------------------------------------------------------------------------
+
+    def _build_units(self, module: nn.Module, param_groups: list[dict]) -> None:
+        zero = self.config.zero_optimization
+        leaf = zero.leaf_module
+        if (leaf.classes or leaf.names or leaf.name_suffixes) and not mark_leaf_modules_from_config(
+                module, leaf.classes, leaf.names, leaf.name_suffixes):
+            raise ValueError(f"zero_optimization.leaf_module {leaf.model_dump()} matches no module of the model: "
+                             "give class names, module names or name suffixes that exist")
+        plan = plan_units(module, int(zero.stage3_param_persistence_threshold),
+                          int(zero.stage3_model_persistence_threshold))
+        self.group_of = {p: g for g, group in enumerate(param_groups) for p in group["params"]}
+        position = {p: i for i, p in enumerate(module.parameters())}
+        # trainable params of a unit ordered by optimizer group: each group is one contiguous range
+        key = lambda p: (self.group_of.get(p, -1), position[p])  # noqa: E731
+        specs = [(n, m, sorted(ps, key=key), False) for n, m, ps in plan.units]
+        if plan.persistent:
+            specs.append(("<persistent>", module, sorted(plan.persistent, key=key), True))
+        self.units: list[Unit] = []
+        for index, (name, m, params, persistent) in enumerate(specs):
+            for p in params:
+                if not is_partitioned(p):
+                    p.ds_shape, p.ds_numel = p.shape, p.numel()
+            unit = Unit(index, name, m, params, self.rank, self.num_ranks, self.policy.param_dtype, self.device,
+                        persistent, shard_device=self.param_home.device)
+            self._fill_from_rank0(unit)
+            self.units.append(unit)
+        self.root = self.units[0]
+        self.unit_of = {p: u for u in self.units for f in u.flats for p in f.params}
+        for unit in self.units:
+            self._init_grad_state(unit)
+        logger.debug("stage 3 units: %s", [(u.name, u.numel) for u in self.units])
+
+    @torch.no_grad()
+    def _fill_from_rank0(self, unit: Unit) -> None:
+        """Copy the parameters' values into the full buffers (rank 0's: broadcast, or gathered from
+        zero.Init's shards), keep this rank's shard, release."""
+        for f in unit.flats:
+            from_init = [hasattr(p, "_zerodp_init_shard") for p in f.params]
+            for p, view, partitioned in zip(f.params, f.views, from_init):
+                view.copy_(gather_init_param(p) if partitioned else p.detach())
+                if partitioned:
+                    del p._zerodp_init_shard
+            if self.num_ranks > 1 and not all(from_init):
+                comm.broadcast(f.full, src=0)
+        for f in unit.flats:
+            for p in f.params:
+                p._zerodp_unit = unit
+        unit.shard_from_full()
+
+    @torch.no_grad()
+    def _place_buffers(self, module: nn.Module) -> None:
+        """Buffers stay whole: cast floating ones to the working dtype, move, take rank 0's values."""
+        for sub in module.modules():
+            for name, buf in sub.named_buffers(recurse=False):
+                dtype = self.policy.param_dtype if buf.is_floating_point() else buf.dtype
+                sub._buffers[name] = buf = buf.to(device=self.device, dtype=dtype)
+                if self.num_ranks > 1:
+                    comm.broadcast(buf, src=0)
+
+    def _init_grad_state(self, unit: Unit) -> None:
+        """Master copy and owned gradient shard of the unit's trainable flat."""
+        f = unit.trainable
+        if f is None:
+            return
+        unit.master = self.home.master_of(f.shard)
+        unit.owned_grad = self.home.zeros(f.layout.shard_numel, self.policy.grad_accum_dtype)
+        unit.pieces = _group_pieces(f, self.group_of)  # (group, start, stop) within the owned shard
+
+    def _optimizer_groups(self, param_groups: list[dict]) -> list[dict]:
+        tensors: list[list[torch.Tensor]] = [[] for _ in param_groups]
+        self.optim_pieces: list[tuple[Unit, int, int, torch.Tensor]] = []
+        for unit in self.units:
+            for g, lo, hi in unit.pieces:
+                view = unit.master[lo:hi]
+                tensors[g].append(view)
+                self.optim_pieces.append((unit, lo, hi, view))
+        return [{**g, "params": ts} for g, ts in zip(param_groups, tensors)]
+
+    def _install_hooks(self) -> None:
+        for unit in self.units:
+            if unit.keeps_full:
+                continue
+            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
+            unit.module.register_forward_hook(partial(self._post_forward, unit))
+            members = {p for f in unit.flats for p in f.params}
+            for m in unit.module.modules():  # submodules called on their own: see [Note: stage-3 hooks]
+                if m is not unit.module and any(p in members for p in m.parameters(recurse=False)):
+                    m.register_forward_pre_hook(partial(self._pre_forward_alone, unit))
+                    m.register_forward_hook(partial(self._post_forward_alone, unit))
+        self._gathered_alone: list[bool] = []
+        trainable = [u for u in self.units if u.trainable is not None]
+        # the fixed reduce-scatter order: later blocks first (backward order), root and persistent last
+        self.reduce_order = sorted(trainable, key=lambda u: (u.persistent, u is self.root, -u.index))
+        self.reduce_slot = {u: k for k, u in enumerate(self.reduce_order)}
+        self.sequence = BucketSequence([len(u.trainable.params) for u in self.reduce_order],
+                                       lambda k: self._launch_reduce(self.reduce_order[k]))
+        for unit in trainable:
+            for p in unit.trainable.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._force_gather, self._keep = False, None
+        self.module._register_state_dict_hook(self._state_dict_hook)
+
+    # --- forward ---------------------------------------------------------------------------------------
+
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
+        if _in_backward():  # recomputation of a checkpointed block: see [Note: stage-3 hooks]
+            self._gather(unit)
+            return None
+        if unit is self.root:
+            self.trace.begin("forward")
+        following = self.trace.visit("forward", unit.index)
+        self._gather(unit)
+        if following:
+            self._prefetch("forward")
+        if torch.is_grad_enabled():
+            return self._route_through_post_backward(unit, args, kwargs)
+        return None
+
+    def _route_through_post_backward(self, unit: Unit, args: tuple, kwargs: dict):
+        leaves, spec = tree_flatten((args, kwargs))
+        needing = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not needing:
+            return None
+        unit.calls_pending += 1
+        outs = _PostBackward.apply(partial(self._post_backward, unit), *[leaves[i] for i in needing])
+        for i, out in zip(needing, outs if isinstance(outs, tuple) else (outs,)):
+            leaves[i] = out
+        return tree_unflatten(leaves, spec)
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output):
+        if _in_backward():
+            return None
+        if torch.is_grad_enabled():
+            needing = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needing:
+                torch.autograd.graph.register_multi_grad_hook(needing, partial(self._pre_backward, unit), mode="any")
+        if unit is not self.root:
+            unit.release()
+            return None
+        self.trace.end("forward")
+        for other in self.units:  # prefetches that the pass did not use
+            if other is not self.root:
+                other.release()
+        if not torch.is_grad_enabled():
+            self.root.release()
+        return None
+
+    def _pre_forward_alone(self, unit: Unit, module: nn.Module, args: tuple) -> None:
+        """A submodule of a released unit called outside the unit's forward: gather around it."""
+        gather = unit.state is UnitState.SHARDED
+        if not _in_backward():
+            self._gathered_alone.append(gather)
+        if gather:
+            self._gather(unit)
+
+    def _post_forward_alone(self, unit: Unit, module: nn.Module, args: tuple, output) -> None:
+        if _in_backward() or not self._gathered_alone.pop():
+            return
+        if torch.is_grad_enabled():
+            needing = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needing:
+                torch.autograd.graph.register_multi_grad_hook(needing, partial(self._pre_backward, unit), mode="any")
+        unit.release()
+
+    # --- backward --------------------------------------------------------------------------------------
+
+    def before_backward(self, boundary: bool) -> None:
+        self._stats = None
+        self.trace.begin("backward")
+        self.sequence.reset()
+        for unit in self.units:
+            unit.grads_pending = len(unit.trainable.params) if unit.trainable is not None else 0
+
+    def _pre_backward(self, unit: Unit, grad) -> None:
+        following = self.trace.visit("backward", unit.index)
+        self._gather(unit)
+        if following:
+            self._prefetch("backward")
+
+    def _post_backward(self, unit: Unit) -> None:
+        unit.calls_pending -= 1
+        self._release_if_done(unit)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        unit = self.unit_of[p]
+        unit.grads_pending -= 1
+        self.sequence.grad_ready(self.reduce_slot[unit], self.names.get(p, "?"))
+        self._release_if_done(unit)
+
+    def _release_if_done(self, unit: Unit) -> None:
+        """See [Note: when a unit is released in backward]."""
+        if unit.calls_pending == 0 and unit.grads_pending == 0:
+            unit.release()
+
+    def _launch_reduce(self, unit: Unit) -> None:
+        """Pack the unit's gradients (freeing them) and reduce-scatter them to their owners."""
+        f = unit.trainable
+        buffer = torch.zeros(f.layout.padded_numel, dtype=self.policy.grad_accum_dtype, device=self.device)
+        for p, offset in zip(f.params, f.layout.offsets):
+            if p.grad is not None:  # None: unused in this backward
+                buffer[offset : offset + p.ds_numel].copy_(p.grad.reshape(-1))
+                p.grad = None
+        self.note_transient("reduce_buffer", buffer)
+        if self.num_ranks == 1:
+            Home.accumulate(unit.owned_grad, buffer)
+            return
+        buffer.mul_(1.0 / self.num_ranks)  # mean, divided before the sum as DDP does
+        out = torch.empty(f.layout.shard_numel, dtype=buffer.dtype, device=buffer.device)
+        self.in_flight.append((unit, out, comm.reduce_scatter_tensor(out, buffer, async_op=True)))
+        if len(self.in_flight) > MAX_BUCKETS_IN_FLIGHT:
+            self._finish_reduce()
+
+    def _finish_reduce(self) -> None:
+        unit, out, work = self.in_flight.pop(0)
+        work.wait()
+        Home.accumulate(unit.owned_grad, out)  # to the host first when the optimizer is offloaded
+
+    def after_backward(self, boundary: bool) -> None:
+        """Every micro-batch: reduce what is left (unused parameters), release every unit, check
+        that all ranks ran the same units."""
+        self.sequence.launch_in_order(force=True)
+        while self.in_flight:
+            self._finish_reduce()
+        for unit in self.units:
+            unit.release()
+            unit.calls_pending = 0
+        self.trace.end("backward")
+        self._check_same_order_on_all_ranks()
+
+    def finish_reduction(self) -> None:
+        """Nothing to do: every backward has already reduced its gradients."""
+
+    # --- gathering -------------------------------------------------------------------------------------
+
+    def _gather(self, unit: Unit) -> None:
+        if unit.state is UnitState.SHARDED and self.sanity_checks:
+            self._check_same_unit(unit)
+        unit.gather()
+        self._note_live()
+
+    def _prefetch(self, phase: str) -> None:
+        """Start the all-gathers of the next units in the recorded order, within the budgets."""
+        live = sum(u.numel for u in self.units if u.state is not UnitState.SHARDED and not u.keeps_full)
+        ahead = 0
+        for index in self.trace.upcoming(phase):
+            unit = self.units[index]
+            if unit.state is not UnitState.SHARDED:
+                continue
+            if ahead + unit.numel > self.prefetch_numel or live + unit.numel > self.max_live_numel:
+                break
+            if self.sanity_checks:
+                self._check_same_unit(unit)
+            unit.start_gather()
+            ahead += unit.numel
+            live += unit.numel
+        self._note_live()
+
+    def _note_live(self) -> None:
+        live = sum(u.held_full_bytes() for u in self.units)
+        self.transient_peak["gathered_params"] = max(self.transient_peak.get("gathered_params", 0), live)
+
+    def _check_same_unit(self, unit: Unit) -> None:
+        """Every rank is about to gather the same unit, else raise naming them."""
+        if self.num_ranks == 1:
+            return
+        row = torch.tensor([unit.index], dtype=torch.int64, device=comm.device_for_backend())
+        indices = comm.all_gather_rows(row).view(-1).tolist()
+        if len(set(indices)) > 1:
+            names = ", ".join(f"rank {r}: {self.units[i].name}" for r, i in enumerate(indices))
+            raise RuntimeError(f"ZeRO stage 3: ranks are about to gather different modules ({names}); every rank "
+                               "must run the same modules in the same order (data-dependent control flow that "
+                               "differs between ranks cannot be sharded this way)")
+
+    def _check_same_order_on_all_ranks(self) -> None:
+        """One tiny all-reduce per backward: [hash, -hash] with MAX differs iff some rank differs."""
+        if self.num_ranks == 1 or self.sanity_checks:  # the per-gather check has run already
+            return
+        digest = self.trace.digest()
+        stats = torch.tensor([digest, -digest], dtype=torch.int64, device=comm.device_for_backend())
+        comm.all_reduce(stats, op=torch.distributed.ReduceOp.MAX)
+        if stats[0].item() == -stats[1].item():
+            return
+        with comm.ledger.outside_step():
+            orders = comm.gather_messages(self.trace.describe(self.units))
+        lines = "\n".join(f"  rank {r}: {o}" for r, o in enumerate(orders))
+        raise RuntimeError("ZeRO stage 3: ranks ran different modules in this forward/backward, so their "
+                           "parameter gathers paired up wrongly and this micro-batch's results are invalid. "
+                           f"Units run per rank (first difference marked):\n{lines}\nEvery rank must run the "
+                           "same modules in the same order; if a branch depends on the data, run it on every rank")
+
+    # --- the step --------------------------------------------------------------------------------------
+
+    def _trainable(self) -> list[Unit]:
+        return [u for u in self.units if u.trainable is not None]
+
+    def _global_stats(self) -> torch.Tensor:
+        if self._stats is None:
+            self._stats = sum_over_ranks_grad_stats([u.owned_grad for u in self._trainable()], self.device)
+        return self._stats
+
+    def found_overflow(self) -> bool:
+        return bool(self._global_stats()[1].item() > 0)
+
+    def first_overflow_name(self) -> str | None:
+        def named():
+            for u in self._trainable():
+                f, start = u.trainable, u.trainable.owned.start
+                for s in f.layout.slices_in(f.owned.start, f.owned.stop):
+                    lo = s.flat_offset - start
+                    yield self.names.get(f.params[s.index], "?"), u.owned_grad[lo : lo + s.numel]
+        return first_nonfinite(named())
+
+    @torch.no_grad()
+    def step(self, loss_scale: float, max_norm: float) -> float:
+        units = self._trainable()
+        total_norm, fp32 = unscaled_clipped_fp32(self, [u.owned_grad for u in units], float(self._global_stats()[0]),
+                                                 loss_scale, max_norm)
+        grads = dict(zip(units, fp32))
+        for unit, lo, hi, view in self.optim_pieces:
+            view.grad = grads[unit][lo:hi]
+        self.optimizer.step()
+        for unit, _, _, view in self.optim_pieces:
+            view.grad = None
+        self._publish()
+        return total_norm
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        """Masters -> working shards; units that stay gathered all-gather the new values."""
+        for unit in self._trainable():
+            f = unit.trainable
+            Home.publish(f.shard, unit.master)
+            if unit.keeps_full and self.num_ranks > 1:
+                comm.all_gather_into_tensor(f.full, f.shard)
+
+    def zero_grad(self) -> None:
+        self._stats = None
+        for unit in self._trainable():
+            unit.owned_grad.zero_()
+            for p in unit.trainable.params:
+                p.grad = None
+
+    # --- checkpoints -------------------------------------------------------------------------------------
+
+    def pieces(self, saving: bool) -> list[Piece]:
+        out = []
+        for unit, lo, hi, view in self.optim_pieces:
+            f, start = unit.trainable, unit.trainable.owned.start
+            state = {"master": view.data, **elementwise_state(self.optimizer, view)}
+            for s in f.layout.slices_in(start + lo, start + hi):
+                a = s.flat_offset - start - lo
+                out.append(Piece(self.names[f.params[s.index]], self.group_of[f.params[s.index]], s.param_offset,
+                                 s.numel, {k: v[a : a + s.numel] for k, v in state.items()}))
+        return out
+
+    def piece_index(self, rank: int) -> list[tuple[str, int, int]]:
+        return [(self.names[u.trainable.params[s.index]], s.param_offset, s.numel) for u in self._trainable()
+                for s in u.trainable.layout.slices_in(*u.trainable.layout.owned_range(rank))]
+
+    def after_load(self) -> None:
+        self._publish()
+
+    def error_hint(self) -> str | None:
+        return ("zerodp ZeRO stage 3: parameters of modules that are not running are released (shape [0]). If the "
+                "model uses a parameter outside the forward of the module that owns it, declare it with "
+                "zerodp.zero.register_external_parameter(module, param) before initialize(), or read it inside "
+                "zerodp.zero.GatheredParameters (docs/stage3.md)")
+
+    def parameter_storages(self) -> list[torch.Tensor]:
+        return [f.full for u in self.units for f in u.flats]
+
+    # --- full weights ------------------------------------------------------------------------------------
+
+    def _state_dict_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        """`module.state_dict()`: full parameters on rank 0, {} elsewhere (every rank must call it)."""
+        if self._keep is not None:
+            for k in [k for k in state_dict if not self._keep(k[len(prefix):])]:
+                del state_dict[k]
+        if not (self._force_gather or self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save):
+            raise RuntimeError(
+                "state_dict() of a ZeRO stage-3 model: each rank holds only shards of the parameters. Set "
+                '"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to gather full weights '
+                "(on rank 0, which needs host memory for the whole model), or use engine.save_checkpoint() and "
+                "`zerodp ckpt convert` for a consolidated copy")
+        aliases: dict[nn.Parameter, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(p, []).append(prefix + name)
+        for unit in self.units:
+            keys = [(k, p) for f in unit.flats for p in f.params for k in aliases.get(p, []) if k in state_dict]
+            if not keys:
+                continue
+            was_sharded = unit.state is UnitState.SHARDED
+            with comm.ledger.outside_step():
+                unit.gather()
+            if self.rank == 0:
+                state_dict.update({k: p.detach().to("cpu", copy=True) for k, p in keys})
+            if was_sharded:
+                unit.release()
+        if self.rank != 0:
+            state_dict.clear()
+
+    def gathered_state_dict(self, keep=None) -> dict:
+        self._force_gather, self._keep = True, keep
+        try:
+            return self.module.state_dict()
+        finally:
+            self._force_gather, self._keep = False, None
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Parameters: each rank writes its owned slice into its shards (the whole value where the
+        unit stays gathered); buffers as usual."""
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        for name, value in state.items():
+            p = named.get(name)
+            if p is None:
+                continue
+            unit = self.unit_of[p]
+            f = next(f for f in unit.flats if any(q is p for q in f.params))
+            offset = f.layout.offsets[next(i for i, q in enumerate(f.params) if q is p)]
+            flat_value = value.reshape(-1).to(f.shard.dtype)
+            if f.keep_full:
+                f.full[offset : offset + p.ds_numel].copy_(flat_value)
+                continue
+            lo, hi = max(offset, f.owned.start), min(offset + p.ds_numel, f.owned.stop)
+            if lo < hi:
+                f.shard[lo - f.owned.start : hi - f.owned.start].copy_(flat_value[lo - offset : hi - offset])
+        super().load_full_state({n: t for n, t in state.items() if n not in named})
+
+    # --- reports -----------------------------------------------------------------------------------------
+
+    def ledger(self) -> MemoryLedger:
+        led = MemoryLedger()
+        for unit in self.units:
+            for f in unit.flats:
+                # keeps_full: the full buffer (the shard is a view of it); else the owned shard
+                held, tier = (f.full, DEVICE) if f.keep_full else (f.shard, self.param_home.tier)
+                led.add(Category.PARAM32_MASTER if held.dtype == torch.float32 else Category.PARAM16, held, tier)
+            if unit.master is not None and unit.master is not unit.trainable.shard:
+                led.add(Category.PARAM32_MASTER, unit.master, self.home.tier)
+            if unit.owned_grad is not None:
+                led.add(Category.GRAD, unit.owned_grad, self.home.tier)
+        led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer), self.home.tier)
+        led.add(Category.BUFFER, list(self.module.buffers()))
+        led.transient_peak.update(self.transient_peak)
+        return led
+
+
+def _group_pieces(f: FlatShard, group_of: dict) -> list[tuple[int, int, int]]:
+    """(group, start, stop) of each optimizer group's part of this rank's owned shard (relative)."""
+    start, stop = f.owned.start, f.owned.stop
+    bounds: dict[int, list[int]] = {}
+    for p, offset in zip(f.params, f.layout.offsets):
+        lo, hi = max(start, offset), min(stop, offset + p.ds_numel)
+        if lo < hi:
+            b = bounds.setdefault(group_of[p], [lo, hi])
+            b[0], b[1] = min(b[0], lo), max(b[1], hi)
+    return [(g, lo - start, hi - start) for g, (lo, hi) in bounds.items()]
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread (recomputation in checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's backward reached all of them."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+class _Trace:
+    """The order units ran in per phase ("forward", "backward"): recorded, then followed."""
+
+    def __init__(self) -> None:
+        self.recorded: dict[str, list[int] | None] = {"forward": None, "backward": None}
+        self.current: dict[str, list[int]] = {"forward": [], "backward": []}
+        self.following: dict[str, bool] = {"forward": False, "backward": False}
+        self.history: list[int] = []  # this forward + backward, for the cross-rank check
+
+    def begin(self, phase: str) -> None:
+        self.current[phase] = []
+        self.following[phase] = self.recorded[phase] is not None
+        if phase == "forward":
+            self.history = []
+
+    def visit(self, phase: str, index: int) -> bool:
+        """Record unit `index`; True while the pass still follows the recorded order."""
+        current, recorded = self.current[phase], self.recorded[phase]
+        position = len(current)
+        current.append(index)
+        self.history.append(index)
+        if self.following[phase] and (position >= len(recorded) or recorded[position] != index):
+            logger.debug("stage 3: the %s order changed at position %d; prefetch off until it is re-recorded",
+                         phase, position)
+            self.following[phase] = False
+        return self.following[phase]
+
+    def upcoming(self, phase: str) -> list[int]:
+        recorded = self.recorded[phase]
+        return recorded[len(self.current[phase]) :] if self.following[phase] and recorded else []
+
+    def end(self, phase: str) -> None:
+        if self.current[phase] != self.recorded[phase]:
+            self.recorded[phase] = list(self.current[phase])
+
+    def digest(self) -> int:
+        raw = hashlib.blake2b(repr(self.history).encode(), digest_size=7).digest()
+        return int.from_bytes(raw, "little")
+
+    def describe(self, units: list[Unit]) -> str:
+        names = [units[i].name for i in self.history]
+        return " -> ".join(names[:40]) + (f" ... ({len(names)} in all)" if len(names) > 40 else "")

@@ -1,0 +1,286 @@
+"""Stage-3 units: parameters that are gathered and released together, and how they are chosen.
+
+A unit is one module's subtree (a transformer block) whose parameters live in one or two flat
+buffers: trainable parameters in one, frozen ones in the other (so a LoRA model reduce-scatters
+only its adapters). Each flat buffer is cut into equal owned shards with zero/layout.py; a rank
+keeps its shard for the life of training and holds the full buffer only while the unit is
+gathered.
+
+[Note: releasing a gathered unit]
+Released parameters keep their Parameter objects (autograd leaves, optimizer and hook identity)
+but `param.data` becomes an empty tensor, so code touching a released parameter fails loudly on
+its shape instead of computing with stale values; `param.ds_shape` / `param.ds_numel` keep the
+full shape (DeepSpeed's names). The full buffer's storage is resized to 0, which frees it even
+though autograd still holds views of it (a linear layer saves `weight.t()`); gathering resizes the
+same storage back and all-gathers into it, so those saved views read the gathered values in
+backward. That is why a unit must be gathered before its backward runs (the pre-backward hook).
+
+[Note: choosing units]
+`zerodp.zero.set_z3_leaf_modules(model, [Block])` (DeepSpeed's name) makes every module of those
+classes a unit. Otherwise each child of the model's largest `nn.ModuleList` (its repeated blocks)
+is a unit. Every parameter outside those units belongs to the root unit, the whole model, which
+stays gathered from the start of forward to the end of backward (FSDP2's root): embeddings, the
+output head and parameters used outside their own module's forward (a head tied to the embedding,
+`F.linear(h, self.wte.weight)`) are then always available. A parameter registered in two units
+(a weight shared between blocks) belongs to the root unit too. Parameters of at most
+`stage3_param_persistence_threshold` elements (biases, norms) are never released: they form one
+persistent unit, which saves a collective per tiny tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import nn
+
+from zerodp import comm
+from zerodp.zero.layout import GroupLayout, group_layout
+
+
+class UnitState(Enum):
+    """Where a unit's parameters are (see [Note: releasing a gathered unit])."""
+
+    SHARDED = "sharded"  # only the owned shards are held; the full buffers' storage is freed
+    GATHERING = "gathering"  # all-gathers into the full buffers are in flight (a prefetch)
+    GATHERED = "gathered"  # params are views of the full buffers, readable and differentiable
+
+
+class FlatShard:
+    """Parameters flattened into one buffer of `layout.padded_numel` elements, of which this rank
+    owns `full[owned]`, kept in `shard`."""
+
+    def __init__(self, params: list[nn.Parameter], rank: int, num_ranks: int, dtype: torch.dtype,
+                 device: torch.device, keep_full: bool, shard_device: torch.device | None = None) -> None:
+        self.params = params
+        self.layout: GroupLayout = group_layout([p.ds_numel for p in params], num_ranks)
+        self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
+        self.views = [self.full[o : o + p.ds_numel].view(p.ds_shape) for p, o in zip(params, self.layout.offsets)]
+        start, stop = self.layout.owned_range(rank)
+        self.owned = slice(start, stop)
+        self.keep_full = keep_full  # persistent units and 1-rank jobs: `shard` is a view of `full`
+        # the owned shard: on the host with offload_param (copied to the device to be gathered)
+        self.shard = self.full[self.owned] if keep_full else torch.empty(
+            stop - start, dtype=dtype, device=shard_device or device, pin_memory=(shard_device or device) != device
+            and torch.cuda.is_available())
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+    def allocate(self) -> None:
+        """Give the full buffer its storage back (same storage object: saved views stay valid)."""
+        storage = self.full.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.full_bytes)
+
+    def free(self) -> None:
+        storage = self.full.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+
+class Unit:
+    """One stage-3 unit: `module`'s parameters in a trainable and a frozen FlatShard."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter], rank: int,
+                 num_ranks: int, dtype: torch.dtype, device: torch.device, persistent: bool = False,
+                 shard_device: torch.device | None = None) -> None:
+        self.index, self.name, self.module, self.persistent = index, name, module, persistent
+        self.num_ranks = num_ranks
+        keep_full = persistent or num_ranks == 1
+        trainable = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        self.trainable = FlatShard(trainable, rank, num_ranks, dtype, device, keep_full, shard_device) if trainable else None
+        self.frozen = FlatShard(frozen, rank, num_ranks, dtype, device, keep_full, shard_device) if frozen else None
+        self.flats = [f for f in (self.trainable, self.frozen) if f is not None]
+        self.numel = sum(f.layout.padded_numel for f in self.flats)
+        self.keeps_full = keep_full or not self.flats  # never released
+        self.state = UnitState.GATHERED  # until `shard_from_full` has run
+        self._works: list = []
+        self._empty = torch.empty(0, dtype=dtype, device=device)
+        self.master: torch.Tensor | None = None  # the trainable shard's fp32 master (set by the strategy)
+        self.owned_grad: torch.Tensor | None = None  # reduced gradient shard (set by the strategy)
+        self.pieces: list[tuple[int, int, int]] = []  # (optimizer group, start, stop) in the owned shard
+        # backward bookkeeping, reset per backward (see stage3.py's [Note: when a unit is released])
+        self.calls_pending = 0  # forward calls whose post-backward has not run yet
+        self.grads_pending = 0  # trainable params whose gradient is not final yet
+
+    def shard_from_full(self) -> None:
+        """Keep this rank's shard of the values now in the full buffers; release unless kept."""
+        with torch.no_grad():
+            for f in self.flats:
+                if not f.keep_full:
+                    f.shard.copy_(f.full[f.owned])
+        self.state = UnitState.GATHERED
+        self.point_params_at_full()
+        if not self.keeps_full:
+            self.release()
+
+    def point_params_at_full(self) -> None:
+        for f in self.flats:
+            for p, view in zip(f.params, f.views):
+                p.data = view
+
+    # --- state transitions -----------------------------------------------------------------------
+
+    def start_gather(self) -> None:
+        """SHARDED -> GATHERING: launch the all-gathers into re-allocated full buffers."""
+        if self.state is not UnitState.SHARDED:
+            raise AssertionError(f"rank {comm.get_rank()}: start_gather on unit {self.name} in state {self.state}")
+        works = []
+        for f in self.flats:
+            f.allocate()
+            shard = f.shard if f.shard.device == f.full.device else f.shard.to(f.full.device, non_blocking=True)
+            works.append(comm.all_gather_into_tensor(f.full, shard, async_op=True))
+        self._works = works
+        self.state = UnitState.GATHERING
+
+    def finish_gather(self) -> None:
+        """GATHERING -> GATHERED: wait, then make the parameters views of the full buffers."""
+        if self.state is not UnitState.GATHERING:
+            raise AssertionError(f"rank {comm.get_rank()}: finish_gather on unit {self.name} in state {self.state}")
+        for work in self._works:
+            work.wait()
+        self._works = []
+        self.point_params_at_full()
+        self.state = UnitState.GATHERED
+
+    def gather(self) -> None:
+        """Make the unit GATHERED from any state (waits for a prefetch in flight)."""
+        if self.state is UnitState.SHARDED:
+            self.start_gather()
+        if self.state is UnitState.GATHERING:
+            self.finish_gather()
+
+    def release(self) -> None:
+        """-> SHARDED: free the full buffers (a gather in flight is waited for first)."""
+        if self.keeps_full or self.state is UnitState.SHARDED:
+            return
+        if self.state is UnitState.GATHERING:
+            self.finish_gather()
+        for f in self.flats:
+            for p in f.params:
+                p.data = self._empty
+            f.free()
+        self.state = UnitState.SHARDED
+
+    @torch.no_grad()
+    def take_values_from(self, src: int) -> None:
+        """After rank `src` edited the gathered parameters: broadcast its values and refresh every
+        rank's shards and fp32 master (GatheredParameters(modifier_rank=src))."""
+        if self.state is not UnitState.GATHERED:
+            raise AssertionError(f"rank {comm.get_rank()}: take_values_from on {self.name} in state {self.state}")
+        for f in self.flats:
+            if self.num_ranks > 1:
+                comm.broadcast(f.full, src=src)
+            if not f.keep_full:
+                f.shard.copy_(f.full[f.owned])
+        if self.master is not None and self.master is not self.trainable.shard:
+            self.master.copy_(self.trainable.shard)
+
+    def held_full_bytes(self) -> int:
+        """Bytes of gathered full buffers this unit holds now (0 while SHARDED)."""
+        if self.state is UnitState.SHARDED or self.keeps_full:
+            return 0
+        return sum(f.full_bytes for f in self.flats)
+
+
+# ---------------------------------------------------------------------------------------------
+# choosing units (see [Note: choosing units])
+
+
+def set_z3_leaf_modules(model: nn.Module, leaf_classes: list[type]) -> list[nn.Module]:
+    """Make every module of `leaf_classes` in `model` one stage-3 unit (its whole subtree is
+    gathered and released together). Call before `zerodp.initialize`. Returns the modules marked."""
+    classes = tuple(leaf_classes)
+    marked = [m for m in model.modules() if isinstance(m, classes)]
+    if not marked:
+        raise ValueError(f"no module of classes {[c.__name__ for c in classes]} in the model")
+    for m in marked:
+        m._z3_leaf = True
+    return marked
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declare that `module`'s forward uses `parameter`, which another module registers, so the
+    unit that gathers `module` gathers `parameter` too (DeepSpeed's name). Call before initialize."""
+    external = module.__dict__.setdefault("_zerodp_external_params", [])
+    if not any(p is parameter for p in external):
+        external.append(parameter)
+
+
+@dataclass
+class UnitPlan:
+    """Pure description of the units: (name, module, params) with the root unit first."""
+
+    units: list[tuple[str, nn.Module, list[nn.Parameter]]]
+    persistent: list[nn.Parameter]
+
+
+def plan_units(model: nn.Module, persistence_threshold: int, model_persistence_threshold: int,
+               unit_roots: list[tuple[str, nn.Module]] | None = None) -> UnitPlan:
+    """Assign every parameter of `model` to exactly one unit; see [Note: choosing units]."""
+    roots = unit_roots if unit_roots is not None else _default_unit_roots(model)
+    unit_of_module: dict[nn.Module, int] = {}
+    for i, (_, m) in enumerate(roots, start=1):
+        for sub in m.modules():
+            unit_of_module.setdefault(sub, i)
+    owners: dict[nn.Parameter, set[int]] = {}
+    order: list[nn.Parameter] = []
+    for m in model.modules():
+        for p in [*m.parameters(recurse=False), *m.__dict__.get("_zerodp_external_params", [])]:
+            if p not in owners:
+                order.append(p)
+            owners.setdefault(p, set()).add(unit_of_module.get(m, 0))
+    persistent, budget = [], model_persistence_threshold
+    for p in order:
+        numel = full_numel(p)
+        if numel <= persistence_threshold and numel <= budget:
+            persistent.append(p)
+            budget -= numel
+    persistent_set = set(persistent)
+    members: list[list[nn.Parameter]] = [[] for _ in range(len(roots) + 1)]
+    for p in order:
+        if p not in persistent_set:
+            unit_ids = owners[p]
+            members[unit_ids.pop() if len(unit_ids) == 1 else 0].append(p)
+    units = [("<root>", model, members[0])] + [(n, m, ps) for (n, m), ps in zip(roots, members[1:])]
+    return UnitPlan([u for u in units if u[2] or u[1] is model], persistent)
+
+
+def full_numel(p: torch.Tensor) -> int:
+    """Elements of the full parameter, also while it is partitioned (`ds_numel`)."""
+    return getattr(p, "ds_numel", p.numel())
+
+
+def mark_leaf_modules_from_config(model: nn.Module, classes: list[str], names: list[str],
+                                  name_suffixes: list[str]) -> int:
+    """`zero_optimization.leaf_module`: mark modules by class name, module name or name suffix as
+    units (as set_z3_leaf_modules does); returns how many were marked."""
+    marked = 0
+    for name, m in model.named_modules():
+        if m is not model and (type(m).__name__ in classes or name in names
+                               or any(name.endswith(s) for s in name_suffixes)):
+            m._z3_leaf = True
+            marked += 1
+    return marked
+
+
+def _default_unit_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules marked by set_z3_leaf_modules (outermost only), else the largest ModuleList's children."""
+    marked = [(n, m) for n, m in model.named_modules() if getattr(m, "_z3_leaf", False) and m is not model]
+    if marked:
+        inside = {sub for _, m in marked for sub in list(m.modules())[1:]}
+        return [(n, m) for n, m in marked if m not in inside]
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    name, largest = max(lists, key=lambda nm: len(nm[1]))
+    children, seen = [], set()
+    for i, child in enumerate(largest):
+        if child not in seen:  # the same block object listed twice is one unit
+            seen.add(child)
+            children.append((f"{name}.{i}" if name else str(i), child))
+    return children
