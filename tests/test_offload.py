@@ -30,7 +30,9 @@ def _train(rank: int, world: int, stage: int, offload: dict, precision: dict, ga
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-    return losses, engine.module.state_dict(), engine.memory_report(), type(engine.optimizer).__name__
+    result = losses, engine.module.state_dict(), engine.memory_report(), type(engine.optimizer).__name__
+    engine.destroy()
+    return result
 
 
 CPU = {"offload_optimizer": {"device": "cpu"}}
@@ -79,3 +81,100 @@ def test_fp32_offload_keeps_a_host_master_and_the_params_on_the_device() -> None
     assert optimizer == "AdamW"
     assert set(held["param32_master"]) == {"device", "cpu"}
     assert held["optim_state"].keys() == {"cpu"}
+
+
+# --- NVMe (ZeRO-Infinity): optimizer state in swap files ------------------------------------------------
+
+
+def _nvme(path: str, params: bool = False) -> dict:
+    optimizer = {"offload_optimizer": {"device": "nvme", "nvme_path": path, "buffer_count": 3}}
+    # max_in_cpu: the first 2,000 elements of parameter shards stay in host memory, the rest go to files
+    return {**optimizer, "offload_param": {"device": "nvme", "nvme_path": path, "max_in_cpu": 2000}} if params else optimizer
+
+
+def _nvme_pair(rank: int, world: int, precision: dict, path: str, params: bool = False):
+    cpu = _train(rank, world, 3, CPU_PARAMS if params else CPU, precision)
+    nvme = _train(rank, world, 3, _nvme(path, params), precision)
+    same_params = rank != 0 or all(torch.equal(cpu[1][n], nvme[1][n]) for n in cpu[1])
+    return cpu[0] == nvme[0], same_params, cpu[2], nvme[2]
+
+
+@pytest.mark.parametrize("precision", [{}, {"bf16": {"enabled": True}}], ids=["fp32", "bf16"])
+def test_nvme_optimizer_offload_is_bitwise_cpu_offload_and_leaves_nothing_behind(tmp_path, precision) -> None:
+    """Masters and Adam state swapped per unit through files: the same numbers as CPU offload; the
+    ledger puts exactly their bytes in the nvme tier; the swap folder is gone after the run."""
+    for same_losses, same_params, cpu, nvme in run_ranks(_nvme_pair, 2, args=(precision, str(tmp_path))):
+        assert same_losses and same_params
+        assert nvme["held"]["param32_master"]["nvme"] == cpu["held"]["param32_master"]["cpu"]
+        assert "cpu" not in nvme["held"]["param32_master"]  # (fp32: the device shards count as params)
+        # Adam's exp_avg and exp_avg_sq in the swap file, its 0-dim `step` counters in host memory
+        assert nvme["held"]["optim_state"]["nvme"] + nvme["held"]["optim_state"]["cpu"] == cpu["held"]["optim_state"]["cpu"]
+        assert "device" not in nvme["held"]["optim_state"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nvme_parameter_offload_is_bitwise_and_puts_the_shards_beyond_max_in_cpu_in_files(tmp_path) -> None:
+    for same_losses, same_params, cpu, nvme in run_ranks(_nvme_pair, 2, args=({"bf16": {"enabled": True}},
+                                                                             str(tmp_path), True)):
+        assert same_losses and same_params
+        params = nvme["held"]["param16"]
+        assert params["cpu"] <= 2 * 2000 and params["cpu"] + params["nvme"] == cpu["held"]["param16"]["cpu"]
+        assert "device" not in params
+    assert list(tmp_path.iterdir()) == []
+
+
+def _resume_nvme(rank: int, world: int, path: str, ckpt: str, phase: str):
+    import zerodp
+
+    model = make_block_lm()
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0, **_nvme(path)}}
+    engine, *_ = zerodp.initialize(model=model, config=config, optimizer=lambda g: torch.optim.AdamW(g, **ADAMW))
+    steps = {"straight": range(4), "first": range(2), "second": range(2, 4)}[phase]
+    if phase == "second":
+        engine.load_checkpoint(ckpt)
+    losses = []
+    for step in steps:
+        loss = engine(*batch(rank, step, 0))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    if phase == "first":
+        engine.save_checkpoint(ckpt)
+    return losses
+
+
+def test_nvme_offload_checkpoints_resume_exactly(tmp_path) -> None:
+    swap, ckpt = tmp_path / "swap", str(tmp_path / "ckpt")
+    swap.mkdir()
+    straight = run_ranks(_resume_nvme, 2, args=(str(swap), ckpt, "straight"))
+    first = run_ranks(_resume_nvme, 2, args=(str(swap), ckpt, "first"))
+    second = run_ranks(_resume_nvme, 2, args=(str(swap), ckpt, "second"))
+    assert all(a + b == s for a, b, s in zip(first, second, straight))
+
+
+def _preflight(rank: int, world: int, offload: dict):
+    _train(rank, world, 3, offload, {})
+
+
+@pytest.mark.parametrize("nvme_path,message", [
+    ("/no/such/dir", r"offload_optimizer.nvme_path='/no/such/dir' does not exist"),
+    (None, r"offload_optimizer.nvme_path: required when device is \"nvme\""),
+])
+def test_nvme_preflight_errors_name_the_key_before_any_rank_communicates(nvme_path, message) -> None:
+    from tests.harness import RankFailed
+
+    with pytest.raises(RankFailed, match=message):
+        run_ranks(_preflight, 2, args=({"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}},), timeout=60)
+
+
+def test_nvme_preflight_refuses_a_disk_without_room(tmp_path, monkeypatch) -> None:
+    from zerodp.config import load_config
+    from zerodp.offload import cpu
+
+    monkeypatch.setattr("zerodp.offload.nvme.disk_free_bytes", lambda path: 1000)
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **_nvme(str(tmp_path))}},
+                         world_size=2)
+    with pytest.raises(ValueError, match=r"nvme_path=.* has 1000 B \(1000 bytes\) free but this run will write .* "
+                                         r"\(600000 bytes\) there"):
+        cpu.preflight_offload(config, 100_000)

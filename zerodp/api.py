@@ -13,7 +13,8 @@ from zerodp import checkpointing, comm
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.engine import Engine
 from zerodp.log import log_rank0
-from zerodp.offload.cpu import Home
+from zerodp.offload.cpu import Home, preflight_offload
+from zerodp.zero.units import full_numel
 from zerodp.optim import optimizer_factory, param_groups_from
 from zerodp.precision import DtypePolicy
 from zerodp.zero import strategy_class
@@ -61,6 +62,7 @@ def initialize(
     strategy_cls = strategy_class(cfg)
     groups = param_groups_from(model, model_parameters, optimizer)
     _check_partitioning(model, cfg)
+    preflight_offload(cfg, sum(full_numel(p) for g in groups for p in g["params"]))
     if dist_init_required is False and not comm.is_initialized():
         raise ValueError("dist_init_required=False but torch.distributed is not initialised")
     comm.init_distributed()

@@ -356,6 +356,11 @@ class Engine(nn.Module):
         comm.barrier()
         return True
 
+    def destroy(self) -> None:
+        """Release what outlives Python's garbage collection: NVMe swap files (also removed at
+        interpreter exit, normal or by an exception; DeepSpeed's name)."""
+        self.strategy.close()
+
     def memory_report(self) -> dict:
         """Bytes this rank holds, by category and tier ("device", "cpu" when offloaded, "nvme"; see
         zerodp.memory), plus transient peaks, plus `activations`: what autograd saved for backward

@@ -42,10 +42,11 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, load_mod
         if with_optimizer and meta["optimizer"] != type(engine.optimizer).__name__:
             raise CheckpointError(f"{tag_dir} holds {meta['optimizer']} state but the engine's optimizer is "
                                   f"{type(engine.optimizer).__name__}; pass load_optimizer_states=False")
-        if with_optimizer:
-            _create_optimizer_state(engine.optimizer, state["optimizer_scalars"], state["optimizer_state_keys"])
-        on_every_rank(lambda: _fill_pieces(engine, tag_dir, meta, with_optimizer, load_module_strict))
-        engine.strategy.after_load()
+        with engine.strategy.optimizer_resident():
+            if with_optimizer:
+                _create_optimizer_state(engine.optimizer, state["optimizer_scalars"], state["optimizer_state_keys"])
+            on_every_rank(lambda: _fill_pieces(engine, tag_dir, meta, with_optimizer, load_module_strict))
+            engine.strategy.after_load()
         _load_rest(engine, tag_dir, meta, state, load_module_only, with_optimizer, load_lr_scheduler_states)
     log_rank0("loaded checkpoint %s (saved at stage %d by %d ranks)", tag_dir, meta["stage"], meta["world_size"])
     return str(tag_dir), state["client_state"]

@@ -87,9 +87,10 @@ def _write_files(engine: Any, tmp: Path, rank: int, world: int, client_state: di
 
 
 def _write_rank_files(engine: Any, tmp: Path, rank: int, world: int) -> list[str]:
-    pieces = [{"name": p.name, "offset": p.offset, "numel": p.numel,
-               "tensors": {k: t.detach().to("cpu", copy=True) for k, t in p.tensors.items()}}
-              for p in engine.strategy.pieces(saving=True)]
+    with engine.strategy.optimizer_resident():
+        pieces = [{"name": p.name, "offset": p.offset, "numel": p.numel,
+                   "tensors": {k: t.detach().to("cpu", copy=True) for k, t in p.tensors.items()}}
+                  for p in engine.strategy.pieces(saving=True)]
     torch_save_synced({"format_version": FORMAT_VERSION, "rank": rank, "world_size": world, "pieces": pieces},
                       tmp / rank_file(rank, world))
     torch_save_synced(_rng_state(), tmp / rng_file(rank))

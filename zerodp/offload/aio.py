@@ -45,6 +45,7 @@ reserve) raises `SwapIOError`, it never leaves a silently short region.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -94,8 +95,15 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
             f"swap I/O needs a contiguous CPU tensor, got device={tensor.device} "
             f"contiguous={tensor.is_contiguous()}; pass tensor.contiguous().cpu() (or an aligned_empty buffer)"
         )
-    # bf16 has no numpy dtype, so go through a uint8 view; reshape(-1) of a contiguous tensor is a view.
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    # Through ctypes, not .numpy(): exporting to numpy marks the storage non-resizable for good, and
+    # NVMe offload frees swapped-out tensors by resizing their storage to 0 (offload/swap.py). The
+    # caller keeps the tensor alive until the I/O is waited (IOHandle).
+    num_bytes = tensor.numel() * tensor.element_size()
+    if num_bytes == 0:
+        return memoryview(bytearray(0))
+    raw = (ctypes.c_char * num_bytes).from_address(tensor.data_ptr())
+    raw.keepalive = tensor  # the view holds `raw`, `raw` holds the tensor: its memory outlives the I/O
+    return memoryview(raw).cast("B")
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,12 @@ non-offloaded training in fp32 (tests/test_offload.py).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from zerodp.memory import CPU, DEVICE
+from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY, check_host_memory, check_nvme_path
 
 
 class Home:
@@ -34,8 +37,9 @@ class Home:
     @classmethod
     def for_section(cls, device: torch.device, section) -> Home:
         """From a config `offload_optimizer` / `offload_param` section (None or device none: no offload)."""
-        offload = section is not None and section.device == "cpu"
-        return cls(device, offload, bool(section is not None and section.pin_memory))
+        offload = section is not None and section.device in ("cpu", "nvme")  # nvme: swapped from host memory
+        pin = section is not None and section.device == "cpu" and section.pin_memory  # swapped storage is resized
+        return cls(device, offload, bool(pin))
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
@@ -76,3 +80,24 @@ class Home:
         """Copy an updated master `src` into working shard `dst` (casting), unless it is `dst`."""
         if src is not dst:
             dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
+
+
+def preflight_offload(config, trainable_numel: int) -> None:
+    """Before any rank communicates, for every rank of this machine: the NVMe folders exist, are
+    writable and have room for the parameter shards (at most 4 bytes per owned element) and the
+    fp32 masters + Adam state (12); host memory can hold what CPU offload puts there (master, Adam
+    state and gradient shard, 16). ValueError with the numbers otherwise."""
+    zero = config.zero_optimization
+    owned = -(-trainable_numel // config.batch.world_size)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks of this machine share its disk and memory
+    params = zero.offload_param
+    if params is not None and params.device == "nvme":  # working-precision shards (at most 4 bytes)
+        check_nvme_path(params.nvme_path, 4 * owned * local, key=PARAM_NVME_PATH_KEY)
+    section = zero.offload_optimizer
+    if section is None or section.device == "none":
+        return
+    if section.device == "nvme":
+        check_nvme_path(section.nvme_path, 12 * owned * local, key=OPTIMIZER_NVME_PATH_KEY)
+    else:
+        check_host_memory(16 * owned * local, what=f"offload_optimizer (device cpu) for {local} rank(s) on this machine",
+                          fix="offload to NVMe (device nvme, stage 3), use more machines, or train in fewer bytes")

@@ -31,9 +31,6 @@ def strategy_class(config) -> type[Strategy]:
         if zero.stage == 0:
             raise NotImplementedError(f"zero_optimization.{key} needs a ZeRO stage of 1-3 (stage is 0): set "
                                       '"stage": 1, 2 or 3, or remove the offload section')
-        if section.device == "nvme":
-            raise NotImplementedError(f"zero_optimization.{key}.device=nvme: NVMe offload is not implemented yet "
-                                      '(issue #6); use "cpu"')
         if getattr(section, "ratio", 1.0) != 1.0:
             raise NotImplementedError(f"zero_optimization.{key}.ratio={section.ratio}: partial offload is not "
                                       "implemented; remove the key (everything is offloaded)")

@@ -16,6 +16,7 @@ rank), then either `step(loss_scale, max_norm)` or nothing, then `zero_grad()`.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -128,6 +129,14 @@ class Strategy(abc.ABC):
     def error_hint(self) -> str | None:
         """A line added to an error raised in the model's forward or backward (what this stage changes)."""
         return None
+
+    def close(self) -> None:
+        """Release files and threads (NVMe offload); the strategy is unusable afterwards."""
+
+    def optimizer_resident(self) -> contextlib.AbstractContextManager:
+        """Masters and optimizer state are in memory inside this context (checkpoints use it;
+        NVMe offload swaps them in)."""
+        return contextlib.nullcontext()
 
     def parameter_storages(self) -> list[torch.Tensor]:
         """Tensors whose storages hold the parameters (left out of the saved-activation count)."""

@@ -43,6 +43,7 @@ that ran different units of the same sizes; different sizes end in the collectiv
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from functools import partial
 
@@ -52,8 +53,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zerodp import comm
 from zerodp.log import logger
-from zerodp.memory import DEVICE, Category, MemoryLedger, optimizer_state_tensors
+from zerodp.memory import CPU, DEVICE, NVME, Category, MemoryLedger, optimizer_state_tensors
+from zerodp.offload.aio import AsyncFileIO
 from zerodp.offload.cpu import Home
+from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY, SwapStore
+from zerodp.offload.swap import OptimizerSwapper, SwapSlot
 from zerodp.precision import first_nonfinite
 from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, elementwise_state, sum_over_ranks_grad_stats,
                               unscaled_clipped_fp32)
@@ -83,6 +87,8 @@ class Stage3(Strategy):
         self._place_buffers(module)
         self.optimizer = make_optimizer(self._optimizer_groups(param_groups))
         check_elementwise(self.optimizer, self.config)
+        self.swapper = self._swapper(zero.offload_optimizer)
+        self.param_store = self._swap_params(zero.offload_param)
         self._install_hooks()
         self.trace = _Trace()
         self._stats: torch.Tensor | None = None
@@ -160,12 +166,50 @@ class Stage3(Strategy):
     def _optimizer_groups(self, param_groups: list[dict]) -> list[dict]:
         tensors: list[list[torch.Tensor]] = [[] for _ in param_groups]
         self.optim_pieces: list[tuple[Unit, int, int, torch.Tensor]] = []
+        self.optim_pieces_of: dict[Unit, list] = {}
         for unit in self.units:
             for g, lo, hi in unit.pieces:
                 view = unit.master[lo:hi]
                 tensors[g].append(view)
                 self.optim_pieces.append((unit, lo, hi, view))
+                self.optim_pieces_of.setdefault(unit, []).append((unit, lo, hi, view))
         return [{**g, "params": ts} for g, ts in zip(param_groups, tensors)]
+
+    def _swapper(self, section) -> OptimizerSwapper | None:
+        """offload_optimizer.device=nvme: masters and optimizer state into swap files (ZeRO-Infinity)."""
+        if section is None or section.device != "nvme":
+            return None
+        units = [u for u in self._trainable() if u.master is not None and u.master is not u.trainable.shard]
+        numel = sum(u.master.numel() for u in units)
+        # fp32 master + Adam's two states: what will be written (checked before anything is)
+        store = SwapStore(section.nvme_path, key=OPTIMIZER_NVME_PATH_KEY, expected_bytes=12 * numel,
+                          engine=AsyncFileIO.from_aio_config(self.config.aio))
+        swapper = OptimizerSwapper(store, self.optimizer,
+                                   [(u.name, u.master, [v for *_, v in self.optim_pieces_of.get(u, [])]) for u in units],
+                                   section.buffer_count)
+        for i, unit in enumerate(units):
+            unit.master_resident = partial(swapper.resident_chunk, i)
+        return swapper
+
+    def _swap_params(self, section) -> SwapStore | None:
+        """offload_param.device=nvme: unit shards beyond the first `max_in_cpu` elements go to files."""
+        if section is None or section.device != "nvme":
+            return None
+        flats = [f for u in self.units if not u.keeps_full for f in u.flats]
+        kept, swapped = 0, []
+        for f in flats:
+            if kept + f.shard.numel() <= section.max_in_cpu:
+                kept += f.shard.numel()
+            else:
+                swapped.append(f)
+        store = SwapStore(section.nvme_path, key=PARAM_NVME_PATH_KEY,
+                          expected_bytes=sum(f.shard.numel() * f.shard.element_size() for f in swapped),
+                          engine=AsyncFileIO.from_aio_config(self.config.aio))
+        for i, f in enumerate(swapped):
+            f.slot = SwapSlot(store, f"shard{i}", f.shard)
+            f.slot.write().wait()
+            f.slot.evict()
+        return store
 
     def _install_hooks(self) -> None:
         for unit in self.units:
@@ -407,20 +451,30 @@ class Stage3(Strategy):
         total_norm, fp32 = unscaled_clipped_fp32(self, [u.owned_grad for u in units], float(self._global_stats()[0]),
                                                  loss_scale, max_norm)
         grads = dict(zip(units, fp32))
-        for unit, lo, hi, view in self.optim_pieces:
-            view.grad = grads[unit][lo:hi]
-        self.optimizer.step()
-        for unit, _, _, view in self.optim_pieces:
-            view.grad = None
-        self._publish()
+        if self.swapper is None:
+            self._step_units(units, grads)
+        else:  # one unit's master and optimizer state in memory at a time (offload/swap.py)
+            self.swapper.step(lambda i: self._step_units([units[i]], grads))
         return total_norm
 
+    def _step_units(self, units: list[Unit], grads: dict[Unit, torch.Tensor]) -> None:
+        """The optimizer over these units' pieces (others have no .grad, so torch skips them), then
+        their shards republished."""
+        pieces = [(unit, lo, hi, view) for unit in units for (u, lo, hi, view) in self.optim_pieces_of[unit]]
+        for unit, lo, hi, view in pieces:
+            view.grad = grads[unit][lo:hi]
+        self.optimizer.step()
+        for _, _, _, view in pieces:
+            view.grad = None
+        self._publish(units)
+
     @torch.no_grad()
-    def _publish(self) -> None:
+    def _publish(self, units: list[Unit]) -> None:
         """Masters -> working shards; units that stay gathered all-gather the new values."""
-        for unit in self._trainable():
+        for unit in units:
             f = unit.trainable
-            Home.publish(f.shard, unit.master)
+            with f.shard_resident(modify=True, overwrite=True):
+                Home.publish(f.shard, unit.master)
             if unit.keeps_full and self.num_ranks > 1:
                 comm.all_gather_into_tensor(f.full, f.shard)
 
@@ -449,7 +503,17 @@ class Stage3(Strategy):
                 for s in u.trainable.layout.slices_in(*u.trainable.layout.owned_range(rank))]
 
     def after_load(self) -> None:
-        self._publish()
+        self._publish(self._trainable())
+
+    def close(self) -> None:
+        for store in (self.swapper.store if self.swapper else None, self.param_store):
+            if store is not None:
+                store.close()
+                store.engine.close()
+
+    def optimizer_resident(self):
+        """Checkpoints read and write masters and optimizer state inside this context."""
+        return self.swapper.resident() if self.swapper is not None else contextlib.nullcontext()
 
     def error_hint(self) -> str | None:
         return ("zerodp ZeRO stage 3: parameters of modules that are not running are released (shape [0]). If the "
@@ -515,7 +579,8 @@ class Stage3(Strategy):
                 continue
             lo, hi = max(offset, f.owned.start), min(offset + p.ds_numel, f.owned.stop)
             if lo < hi:
-                f.shard[lo - f.owned.start : hi - f.owned.start].copy_(flat_value[lo - offset : hi - offset])
+                with f.shard_resident(modify=True):
+                    f.shard[lo - f.owned.start : hi - f.owned.start].copy_(flat_value[lo - offset : hi - offset])
         super().load_full_state({n: t for n, t in state.items() if n not in named})
 
     # --- reports -----------------------------------------------------------------------------------------
@@ -525,13 +590,22 @@ class Stage3(Strategy):
         for unit in self.units:
             for f in unit.flats:
                 # keeps_full: the full buffer (the shard is a view of it); else the owned shard
-                held, tier = (f.full, DEVICE) if f.keep_full else (f.shard, self.param_home.tier)
-                led.add(Category.PARAM32_MASTER if held.dtype == torch.float32 else Category.PARAM16, held, tier)
-            if unit.master is not None and unit.master is not unit.trainable.shard:
+                category = Category.PARAM32_MASTER if f.full.dtype == torch.float32 else Category.PARAM16
+                if f.slot is not None:
+                    led.add_bytes(category, NVME, f.slot.num_bytes)
+                else:
+                    led.add(category, *((f.full, DEVICE) if f.keep_full else (f.shard, self.param_home.tier)))
+            if unit.master is not None and unit.master is not unit.trainable.shard and self.swapper is None:
                 led.add(Category.PARAM32_MASTER, unit.master, self.home.tier)
             if unit.owned_grad is not None:
                 led.add(Category.GRAD, unit.owned_grad, self.home.tier)
-        led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer), self.home.tier)
+        if self.swapper is None:
+            led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer), self.home.tier)
+        else:
+            master_bytes, state_bytes = self.swapper.nvme_bytes()
+            led.add_bytes(Category.PARAM32_MASTER, NVME, master_bytes)
+            led.add_bytes(Category.OPTIM_STATE, NVME, state_bytes)
+            led.add(Category.OPTIM_STATE, [t for t in optimizer_state_tensors(self.optimizer) if t.dim() == 0], CPU)
         led.add(Category.BUFFER, list(self.module.buffers()))
         led.transient_peak.update(self.transient_peak)
         return led

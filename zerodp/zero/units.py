@@ -29,6 +29,7 @@ persistent unit, which saves a collective per tiny tensor.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from enum import Enum
 
@@ -64,6 +65,25 @@ class FlatShard:
         self.shard = self.full[self.owned] if keep_full else torch.empty(
             stop - start, dtype=dtype, device=shard_device or device, pin_memory=(shard_device or device) != device
             and torch.cuda.is_available())
+        self.slot = None  # offload_param nvme: a SwapSlot holding the shard's bytes (offload/swap.py)
+
+    @contextlib.contextmanager
+    def shard_resident(self, modify: bool = False, overwrite: bool = False):
+        """The owned shard in memory inside the block (NVMe param offload swaps it in; `overwrite`
+        skips the read when every element will be written); written back on exit if `modify`."""
+        if self.slot is None:
+            yield
+            return
+        if overwrite:
+            self.slot.allocate_storage()
+        else:
+            self.slot.read().wait()
+        try:
+            yield
+        finally:
+            if modify:
+                self.slot.write().wait()
+            self.slot.evict()
 
     @property
     def full_bytes(self) -> int:
@@ -102,6 +122,7 @@ class Unit:
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self.master: torch.Tensor | None = None  # the trainable shard's fp32 master (set by the strategy)
         self.owned_grad: torch.Tensor | None = None  # reduced gradient shard (set by the strategy)
+        self.master_resident = contextlib.nullcontext  # NVMe offload: brings the master into memory
         self.pieces: list[tuple[int, int, int]] = []  # (optimizer group, start, stop) in the owned shard
         # backward bookkeeping, reset per backward (see stage3.py's [Note: when a unit is released])
         self.calls_pending = 0  # forward calls whose post-backward has not run yet
@@ -132,6 +153,8 @@ class Unit:
         works = []
         for f in self.flats:
             f.allocate()
+            if f.slot is not None:
+                f.slot.read().wait()  # freed again when the gather completes
             shard = f.shard if f.shard.device == f.full.device else f.shard.to(f.full.device, non_blocking=True)
             works.append(comm.all_gather_into_tensor(f.full, shard, async_op=True))
         self._works = works
@@ -144,6 +167,9 @@ class Unit:
         for work in self._works:
             work.wait()
         self._works = []
+        for f in self.flats:
+            if f.slot is not None:
+                f.slot.evict()
         self.point_params_at_full()
         self.state = UnitState.GATHERED
 
@@ -176,9 +202,11 @@ class Unit:
             if self.num_ranks > 1:
                 comm.broadcast(f.full, src=src)
             if not f.keep_full:
-                f.shard.copy_(f.full[f.owned])
+                with f.shard_resident(modify=True, overwrite=True):
+                    f.shard.copy_(f.full[f.owned])
         if self.master is not None and self.master is not self.trainable.shard:
-            self.master.copy_(self.trainable.shard)
+            with self.master_resident():
+                self.master.copy_(self.trainable.shard)
 
     def held_full_bytes(self) -> int:
         """Bytes of gathered full buffers this unit holds now (0 while SHARDED)."""

@@ -1,0 +1,143 @@
+"""NVMe offload at stage 3 (ZeRO-Infinity): optimizer state (`offload_optimizer.device: nvme`) and
+parameter shards (`offload_param.device: nvme`) in swap files.
+
+[Note: NVMe offload]
+Each stage-3 unit's fp32 master shard and its optimizer state (Adam: exp_avg, exp_avg_sq) are one
+swap chunk in a `SwapStore` under `nvme_path`. Between steps none of it is in memory: the tensors
+keep their Python objects (the optimizer's params are views of the master, its state is keyed by
+them) but their storage is resized to 0, as stage 3 releases gathered units. The step walks the
+units through `run_swap_pipeline`: read unit i+1's chunk while unit i steps on the CPU (torch's
+optimizer, only unit i's params have a .grad) and unit i-1's chunk is written back and freed, so
+at most `buffer_count` chunks are resident. The first step creates the optimizer state; it is
+given swap space as it appears. Checkpoints and GatheredParameters edits bring chunks in through
+`resident()` / `resident_chunk(i)` (a checkpoint brings the whole rank's optimizer shard in).
+With `offload_param.device: nvme`, each unit's owned parameter shard is a `SwapSlot` too (beyond
+the first `max_in_cpu` elements, which stay in host memory): read just before the unit's
+all-gather, freed when the gather completes, rewritten after the step.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from zerodp.offload.aio import run_swap_pipeline
+from zerodp.offload.nvme import SwapStore
+
+
+class SwapSlot:
+    """One contiguous CPU tensor whose bytes live in `store` region `name` while evicted."""
+
+    def __init__(self, store: SwapStore, name: str, tensor: torch.Tensor) -> None:
+        self.store, self.name, self.tensor = store, name, tensor
+        self.num_bytes = tensor.numel() * tensor.element_size()
+        store.allocate(name, tensor.numel(), tensor.dtype)
+
+    @property
+    def resident(self) -> bool:
+        return self.tensor.untyped_storage().size() != 0
+
+    def allocate_storage(self) -> None:
+        """Give the tensor its storage back (contents undefined until read or overwritten)."""
+        storage = self.tensor.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.num_bytes)
+
+    def read(self):
+        """Give the tensor its storage back and start reading its bytes into it."""
+        self.allocate_storage()
+        return self.store.read(self.name, self.tensor)
+
+    def write(self):
+        return self.store.write(self.name, self.tensor)
+
+    def evict(self) -> None:
+        self.tensor.untyped_storage().resize_(0)
+
+
+class _Handles:
+    """Several I/O handles waited as one, then `then()` (evict what was written)."""
+
+    def __init__(self, handles: list, then: Callable[[], None] | None = None) -> None:
+        self.handles, self.then = handles, then
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
+        if self.then is not None:
+            self.then()
+            self.then = None
+
+
+class OptimizerSwapper:
+    """Chunks (name, fp32 master, the optimizer params that are views of it) kept in `store`."""
+
+    def __init__(self, store: SwapStore, optimizer: torch.optim.Optimizer,
+                 chunks: list[tuple[str, torch.Tensor, list[torch.Tensor]]], buffer_count: int) -> None:
+        self.store, self.optimizer, self.buffer_count = store, optimizer, max(1, buffer_count)
+        self.chunks = chunks
+        self.slots: list[dict[str, SwapSlot]] = [{"master": SwapSlot(store, f"{name}/master", master)}
+                                                 for name, master, _ in chunks]
+        for i in range(len(chunks)):
+            self._write_and_evict(i).wait()
+
+    def _state(self, i: int) -> dict[str, torch.Tensor]:
+        """Chunk i's element-wise optimizer state tensors by slot name (none before the first step)."""
+        out = {}
+        for j, view in enumerate(self.chunks[i][2]):
+            for key, value in self.optimizer.state.get(view, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    out[f"{j}/{key}"] = value
+        return out
+
+    def _sync_slots(self, i: int) -> None:
+        """Point chunk i's slots at the optimizer's current state tensors (new ones after the first
+        step or a checkpoint load get swap space)."""
+        name = self.chunks[i][0]
+        for key, tensor in self._state(i).items():
+            slot = self.slots[i].get(key)
+            if slot is None:
+                self.slots[i][key] = SwapSlot(self.store, f"{name}/{key}", tensor.contiguous())
+            else:
+                slot.tensor = tensor
+
+    def _read(self, i: int) -> _Handles:
+        return _Handles([slot.read() for slot in self.slots[i].values()])
+
+    def _write_and_evict(self, i: int) -> _Handles:
+        self._sync_slots(i)
+        slots = list(self.slots[i].values())
+        return _Handles([slot.write() for slot in slots], then=lambda: [slot.evict() for slot in slots])
+
+    def step(self, compute: Callable[[int], None]) -> None:
+        """Run compute(i) (set grads, optimizer.step(), publish) for every chunk, pipelined."""
+        run_swap_pipeline(len(self.chunks), self._read, compute, self._write_and_evict,
+                          buffer_count=self.buffer_count)
+
+    @contextmanager
+    def resident_chunk(self, i: int) -> Iterator[None]:
+        """Chunk i in memory inside the block; written back and freed on exit."""
+        self._read(i).wait()
+        try:
+            yield
+        finally:
+            self._write_and_evict(i).wait()
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Every chunk in memory inside the block (a checkpoint save or load)."""
+        for i in range(len(self.chunks)):
+            self._read(i).wait()
+        try:
+            yield
+        finally:
+            for i in range(len(self.chunks)):
+                self._write_and_evict(i).wait()
+
+    def nvme_bytes(self) -> tuple[int, int]:
+        """(master bytes, optimizer state bytes) held in the swap file."""
+        master = sum(s["master"].num_bytes for s in self.slots)
+        state = sum(slot.num_bytes for s in self.slots for key, slot in s.items() if key != "master")
+        return master, state
