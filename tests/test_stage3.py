@@ -476,3 +476,28 @@ def test_how_units_are_chosen(zero: dict, leaf_classes: bool, expected: list[str
     units = run_ranks(_units, 1, args=(zero, leaf_classes))[0]
     assert [name for name, _ in units] == expected
     assert sum(numel for _, numel in units) == 544 + 4 * 1104
+
+
+def _init_gpt(rank: int, world: int, under_init: bool):
+    import zerodp
+    from zerodp.demo import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=2)
+    config = _config()
+    torch.manual_seed(0)
+    if under_init:
+        with zerodp.zero.Init(config=config):
+            model = TinyGPT(cfg)
+    else:
+        model = TinyGPT(cfg)
+    engine, *_ = zerodp.initialize(model=model, config=config, optimizer=_adamw)
+    return engine.module.state_dict()
+
+
+def test_init_keeps_a_models_own_weight_initialisation() -> None:
+    """TinyGPT's _init_weights calls torch.nn.init on submodules that Init already partitioned:
+    Init gathers them around each call, so the weights equal a model built whole, bitwise."""
+    whole, _ = run_ranks(_init_gpt, 2, args=(False,))
+    partitioned, _ = run_ranks(_init_gpt, 2, args=(True,))
+    assert whole.keys() == partitioned.keys()
+    assert all(torch.equal(whole[n], partitioned[n]) for n in whole)

@@ -396,21 +396,25 @@ class AsyncFileIO:
             if in_place:
                 _transfer(sub.kind, sub.swap_file.fd, segment[:in_place], file_offset, direct=True)
         if in_place < len(segment):
-            self._bounced(sub.kind, sub.swap_file.fd, segment[in_place:], file_offset + in_place)
+            self._bounced(sub.kind, sub.swap_file.fd, sub.address + start + in_place, len(segment) - in_place,
+                          file_offset + in_place)
 
-    def _bounced(self, kind: IOKind, fd: int, segment: memoryview, file_offset: int) -> None:
-        """O_DIRECT I/O of an unaligned or partial-block segment through this thread's aligned buffer."""
+    def _bounced(self, kind: IOKind, fd: int, address: int, num_bytes: int, file_offset: int) -> None:
+        """O_DIRECT I/O of `num_bytes` at memory `address` (unaligned, or a partial block) through this
+        thread's aligned buffer. The copies are ctypes.memmove calls, which release the GIL, so the
+        other I/O threads and the training thread keep running during them."""
         if getattr(self._local, "bounce", None) is None:
-            self._local.bounce = byte_view(aligned_empty(self.block_size, torch.uint8))
-        padded = round_up(len(segment), ALIGN_BYTES)
-        bounce = self._local.bounce[:padded]
+            tensor = aligned_empty(self.block_size, torch.uint8)
+            self._local.bounce = (tensor, byte_view(tensor), tensor.data_ptr())
+        _, view, bounce_address = self._local.bounce
+        padded = round_up(num_bytes, ALIGN_BYTES)
         if kind == "write":
-            bounce[:len(segment)] = segment
-            bounce[len(segment):] = bytes(padded - len(segment))  # zeros, never another tensor's bytes
-            _transfer(kind, fd, bounce, file_offset, direct=True)
+            ctypes.memmove(bounce_address, address, num_bytes)
+            ctypes.memset(bounce_address + num_bytes, 0, padded - num_bytes)  # never another tensor's bytes
+            _transfer(kind, fd, view[:padded], file_offset, direct=True)
         else:
-            _transfer(kind, fd, bounce, file_offset, direct=True)
-            segment[:] = bounce[:len(segment)]
+            _transfer(kind, fd, view[:padded], file_offset, direct=True)
+            ctypes.memmove(address, bounce_address, num_bytes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -72,16 +72,16 @@ class _Handles:
 
 
 class OptimizerSwapper:
-    """Chunks (name, fp32 master, the optimizer params that are views of it) kept in `store`."""
+    """Per chunk (a unit): its fp32 master and the optimizer's state for the params that are views
+    of it, kept in `store` between uses."""
 
     def __init__(self, store: SwapStore, optimizer: torch.optim.Optimizer,
-                 chunks: list[tuple[str, torch.Tensor, list[torch.Tensor]]], buffer_count: int) -> None:
+                 chunks: list[tuple[str, SwapSlot, list[torch.Tensor]]], buffer_count: int) -> None:
+        """`chunks`: (name, the slot of an fp32 master already written and evicted, the optimizer
+        params that are views of that master)."""
         self.store, self.optimizer, self.buffer_count = store, optimizer, max(1, buffer_count)
         self.chunks = chunks
-        self.slots: list[dict[str, SwapSlot]] = [{"master": SwapSlot(store, f"{name}/master", master)}
-                                                 for name, master, _ in chunks]
-        for i in range(len(chunks)):
-            self._write_and_evict(i).wait()
+        self.slots: list[dict[str, SwapSlot]] = [{"master": slot} for _, slot, _ in chunks]
 
     def _state(self, i: int) -> dict[str, torch.Tensor]:
         """Chunk i's element-wise optimizer state tensors by slot name (none before the first step)."""

@@ -180,19 +180,27 @@ def unscaled_clipped_fp32(strategy: Strategy, grads: list[torch.Tensor], sum_sq:
                           max_norm: float) -> tuple[float, list[torch.Tensor]]:
     """The global gradient norm (before clipping) and `grads` as fp32 on the optimizer's device,
     multiplied in place by 1/loss_scale x torch.nn.utils.clip_grad_norm_'s clip coefficient."""
+    total_norm, coef = clip_coefficient(sum_sq, loss_scale, max_norm)
+    return total_norm, [fp32_scaled(strategy, grad, coef) for grad in grads]
+
+
+def clip_coefficient(sum_sq: float, loss_scale: float, max_norm: float) -> tuple[float, float]:
+    """(global norm before clipping, 1/loss_scale x torch.nn.utils.clip_grad_norm_'s coefficient)."""
     total_norm = math.sqrt(sum_sq) / loss_scale
     coef = 1.0 / loss_scale
     if max_norm > 0:
         coef *= min(1.0, max_norm / (total_norm + 1e-6))
-    out = []
-    for grad in grads:
-        fp32 = strategy.home.fp32(grad)  # the host when the optimizer is offloaded
-        if fp32 is not grad:
-            strategy.note_transient("step_grad_fp32", fp32)
-        if coef != 1.0:
-            fp32.mul_(coef)
-        out.append(fp32)
-    return total_norm, out
+    return total_norm, coef
+
+
+def fp32_scaled(strategy: Strategy, grad: torch.Tensor, coef: float) -> torch.Tensor:
+    """`grad` as fp32 on the optimizer's device (a transient copy when it is not), times `coef`."""
+    fp32 = strategy.home.fp32(grad)  # the host when the optimizer is offloaded
+    if fp32 is not grad:
+        strategy.note_transient("step_grad_fp32", fp32)
+    if coef != 1.0:
+        fp32.mul_(coef)
+    return fp32
 
 
 def elementwise_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -14,8 +14,8 @@ a module returns, its parameters are broadcast from rank 0 (so every rank holds 
 whatever its random state), each rank keeps its equal share of each parameter (padded to a
 multiple of the world size, as zero/layout.py pads) and `param.data` becomes an empty tensor
 (`param.ds_shape` keeps the shape). At most one module's own parameters exist in full at a time.
-`module.apply(fn)` (weight initialisation after construction) gathers each module's parameters
-around `fn` and keeps rank 0's result. `zerodp.initialize` regroups these per-parameter shards into
+`module.apply(fn)` and the `torch.nn.init` functions (weight initialisation after construction, on
+parameters already partitioned) gather the parameters they touch and keep rank 0's result. `zerodp.initialize` regroups these per-parameter shards into
 its units one unit at a time.
 """
 
@@ -79,6 +79,9 @@ class Init:
                 cls.__init__ = _wrapped_init(cls.__init__)
         self._originals[nn.Module] = nn.Module.apply
         nn.Module.apply = _gathered_apply
+        self._init_functions = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS if hasattr(nn.init, name)}
+        for name, fn in self._init_functions.items():
+            setattr(nn.init, name, _gathered_init(fn))
         self._handle = nn.modules.module.register_module_parameter_registration_hook(self._on_register)
         _active.append(self)
         return self
@@ -94,6 +97,8 @@ class Init:
             else:
                 cls.__init__ = original
         self._originals.clear()
+        for name, fn in self._init_functions.items():
+            setattr(nn.init, name, fn)
 
     def _on_register(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not is_partitioned(param):
@@ -251,6 +256,24 @@ def _wrapped_init(init: Any) -> Any:
 
     wrapper._zerodp_wrapped = True
     return wrapper
+
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                   "sparse_")
+
+
+def _gathered_init(fn: Any) -> Any:
+    """torch.nn.init.<fn> inside Init: on a partitioned parameter (a model's own `_init_weights`
+    after its submodules were built), gather it, initialise it, keep rank 0's values."""
+    @functools.wraps(fn)
+    def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(tensor, nn.Parameter) and is_partitioned(tensor):
+            with GatheredParameters(tensor, modifier_rank=0):
+                fn(tensor, *args, **kwargs)
+            return tensor
+        return fn(tensor, *args, **kwargs)
+    return init
 
 
 def _gathered_apply(self: nn.Module, fn: Any) -> nn.Module:

@@ -59,8 +59,8 @@ from zerodp.offload.cpu import Home
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY, SwapStore
 from zerodp.offload.swap import OptimizerSwapper, SwapSlot
 from zerodp.precision import first_nonfinite
-from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, elementwise_state, sum_over_ranks_grad_stats,
-                              unscaled_clipped_fp32)
+from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, fp32_scaled,
+                              sum_over_ranks_grad_stats)
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import trainable_in_registration_order
 from zerodp.zero.init import gather_init_param, is_partitioned
@@ -83,12 +83,14 @@ class Stage3(Strategy):
         self.sanity_checks = zero.enable_sanity_checks or comm.backend() == "gloo"
         trainable_in_registration_order(module, param_groups)  # every optimizer param is the model's
         self.names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
+        self.optim_store = _swap_store(zero.offload_optimizer, OPTIMIZER_NVME_PATH_KEY, self.config.aio)
+        self.param_store = _swap_store(zero.offload_param, PARAM_NVME_PATH_KEY, self.config.aio)
+        self._param_numel_in_cpu = 0  # offload_param nvme: shard elements kept in host memory so far
         self._build_units(module, param_groups)
         self._place_buffers(module)
         self.optimizer = make_optimizer(self._optimizer_groups(param_groups))
         check_elementwise(self.optimizer, self.config)
         self.swapper = self._swapper(zero.offload_optimizer)
-        self.param_store = self._swap_params(zero.offload_param)
         self._install_hooks()
         self.trace = _Trace()
         self._stats: torch.Tensor | None = None
@@ -118,13 +120,13 @@ class Stage3(Strategy):
                 if not is_partitioned(p):
                     p.ds_shape, p.ds_numel = p.shape, p.numel()
             unit = Unit(index, name, m, params, self.rank, self.num_ranks, self.policy.param_dtype, self.device,
-                        persistent, shard_device=self.param_home.device)
+                        persistent, shard_device=self.param_home.device, offloaded=self.param_home.offload)
             self._fill_from_rank0(unit)
+            self._init_grad_state(unit)
+            self._swap_out(unit)  # NVMe: one unit's shard and master in memory at a time, even here
             self.units.append(unit)
         self.root = self.units[0]
         self.unit_of = {p: u for u in self.units for f in u.flats for p in f.params}
-        for unit in self.units:
-            self._init_grad_state(unit)
         logger.debug("stage 3 units: %s", [(u.name, u.numel) for u in self.units])
 
     @torch.no_grad()
@@ -162,54 +164,46 @@ class Stage3(Strategy):
         unit.master = self.home.master_of(f.shard)
         unit.owned_grad = self.home.zeros(f.layout.shard_numel, self.policy.grad_accum_dtype)
         unit.pieces = _group_pieces(f, self.group_of)  # (group, start, stop) within the owned shard
+        unit.piece_views = [unit.master[lo:hi] for _, lo, hi in unit.pieces]  # made before any swap-out
 
     def _optimizer_groups(self, param_groups: list[dict]) -> list[dict]:
         tensors: list[list[torch.Tensor]] = [[] for _ in param_groups]
         self.optim_pieces: list[tuple[Unit, int, int, torch.Tensor]] = []
         self.optim_pieces_of: dict[Unit, list] = {}
         for unit in self.units:
-            for g, lo, hi in unit.pieces:
-                view = unit.master[lo:hi]
+            for (g, lo, hi), view in zip(unit.pieces, unit.piece_views):
                 tensors[g].append(view)
                 self.optim_pieces.append((unit, lo, hi, view))
                 self.optim_pieces_of.setdefault(unit, []).append((unit, lo, hi, view))
         return [{**g, "params": ts} for g, ts in zip(param_groups, tensors)]
 
+    def _swap_out(self, unit: Unit) -> None:
+        """NVMe offload: write the unit's parameter shards (beyond offload_param.max_in_cpu elements)
+        and its fp32 master to the swap files and free them (see offload/swap.py)."""
+        if self.param_store is not None and not unit.keeps_full:
+            for f in unit.flats:
+                if self._param_numel_in_cpu + f.shard.numel() <= self.config.zero_optimization.offload_param.max_in_cpu:
+                    self._param_numel_in_cpu += f.shard.numel()
+                    continue
+                f.slot = SwapSlot(self.param_store, f"{unit.name}/{'trainable' if f is unit.trainable else 'frozen'}",
+                                  f.shard)
+                f.slot.write().wait()
+                f.slot.evict()
+        if self.optim_store is not None and unit.master is not None:
+            unit.master_slot = SwapSlot(self.optim_store, f"{unit.name}/master", unit.master)
+            unit.master_slot.write().wait()
+            unit.master_slot.evict()
+
     def _swapper(self, section) -> OptimizerSwapper | None:
-        """offload_optimizer.device=nvme: masters and optimizer state into swap files (ZeRO-Infinity)."""
-        if section is None or section.device != "nvme":
+        """offload_optimizer.device=nvme: masters and optimizer state in swap files (ZeRO-Infinity)."""
+        if self.optim_store is None:
             return None
-        units = [u for u in self._trainable() if u.master is not None and u.master is not u.trainable.shard]
-        numel = sum(u.master.numel() for u in units)
-        # fp32 master + Adam's two states: what will be written (checked before anything is)
-        store = SwapStore(section.nvme_path, key=OPTIMIZER_NVME_PATH_KEY, expected_bytes=12 * numel,
-                          engine=AsyncFileIO.from_aio_config(self.config.aio))
-        swapper = OptimizerSwapper(store, self.optimizer,
-                                   [(u.name, u.master, [v for *_, v in self.optim_pieces_of.get(u, [])]) for u in units],
-                                   section.buffer_count)
-        for i, unit in enumerate(units):
+        self.swapper_units = [u for u in self._trainable() if u.master is not None]
+        chunks = [(u.name, u.master_slot, [v for *_, v in self.optim_pieces_of.get(u, [])]) for u in self.swapper_units]
+        swapper = OptimizerSwapper(self.optim_store, self.optimizer, chunks, section.buffer_count)
+        for i, unit in enumerate(self.swapper_units):
             unit.master_resident = partial(swapper.resident_chunk, i)
         return swapper
-
-    def _swap_params(self, section) -> SwapStore | None:
-        """offload_param.device=nvme: unit shards beyond the first `max_in_cpu` elements go to files."""
-        if section is None or section.device != "nvme":
-            return None
-        flats = [f for u in self.units if not u.keeps_full for f in u.flats]
-        kept, swapped = 0, []
-        for f in flats:
-            if kept + f.shard.numel() <= section.max_in_cpu:
-                kept += f.shard.numel()
-            else:
-                swapped.append(f)
-        store = SwapStore(section.nvme_path, key=PARAM_NVME_PATH_KEY,
-                          expected_bytes=sum(f.shard.numel() * f.shard.element_size() for f in swapped),
-                          engine=AsyncFileIO.from_aio_config(self.config.aio))
-        for i, f in enumerate(swapped):
-            f.slot = SwapSlot(store, f"shard{i}", f.shard)
-            f.slot.write().wait()
-            f.slot.evict()
-        return store
 
     def _install_hooks(self) -> None:
         for unit in self.units:
@@ -447,20 +441,19 @@ class Stage3(Strategy):
 
     @torch.no_grad()
     def step(self, loss_scale: float, max_norm: float) -> float:
-        units = self._trainable()
-        total_norm, fp32 = unscaled_clipped_fp32(self, [u.owned_grad for u in units], float(self._global_stats()[0]),
-                                                 loss_scale, max_norm)
-        grads = dict(zip(units, fp32))
+        total_norm, coef = clip_coefficient(float(self._global_stats()[0]), loss_scale, max_norm)
         if self.swapper is None:
-            self._step_units(units, grads)
-        else:  # one unit's master and optimizer state in memory at a time (offload/swap.py)
-            self.swapper.step(lambda i: self._step_units([units[i]], grads))
+            self._step_units(self._trainable(), coef)
+        else:  # one unit's master, optimizer state and fp32 gradient in memory at a time
+            units = self.swapper_units
+            self.swapper.step(lambda i: self._step_units([units[i]], coef))
         return total_norm
 
-    def _step_units(self, units: list[Unit], grads: dict[Unit, torch.Tensor]) -> None:
+    def _step_units(self, units: list[Unit], coef: float) -> None:
         """The optimizer over these units' pieces (others have no .grad, so torch skips them), then
         their shards republished."""
-        pieces = [(unit, lo, hi, view) for unit in units for (u, lo, hi, view) in self.optim_pieces_of[unit]]
+        grads = {unit: fp32_scaled(self, unit.owned_grad, coef) for unit in units}
+        pieces = [(unit, lo, hi, view) for unit in units for (u, lo, hi, view) in self.optim_pieces_of.get(unit, [])]
         for unit, lo, hi, view in pieces:
             view.grad = grads[unit][lo:hi]
         self.optimizer.step()
@@ -506,7 +499,7 @@ class Stage3(Strategy):
         self._publish(self._trainable())
 
     def close(self) -> None:
-        for store in (self.swapper.store if self.swapper else None, self.param_store):
+        for store in (self.optim_store, self.param_store):
             if store is not None:
                 store.close()
                 store.engine.close()
@@ -609,6 +602,14 @@ class Stage3(Strategy):
         led.add(Category.BUFFER, list(self.module.buffers()))
         led.transient_peak.update(self.transient_peak)
         return led
+
+
+def _swap_store(section, key: str, aio) -> SwapStore | None:
+    """A swap store under the section's nvme_path when its device is nvme (space was checked by
+    zerodp.offload.cpu.preflight_offload before any rank communicated)."""
+    if section is None or section.device != "nvme":
+        return None
+    return SwapStore(section.nvme_path, key=key, engine=AsyncFileIO.from_aio_config(aio))
 
 
 def _group_pieces(f: FlatShard, group_of: dict) -> list[tuple[int, int, int]]:

@@ -106,10 +106,11 @@ class Unit:
 
     def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter], rank: int,
                  num_ranks: int, dtype: torch.dtype, device: torch.device, persistent: bool = False,
-                 shard_device: torch.device | None = None) -> None:
+                 shard_device: torch.device | None = None, offloaded: bool = False) -> None:
         self.index, self.name, self.module, self.persistent = index, name, module, persistent
         self.num_ranks = num_ranks
-        keep_full = persistent or num_ranks == 1
+        # never released: persistent, or nothing to shard across (1 rank) unless shards are offloaded
+        keep_full = persistent or (num_ranks == 1 and not offloaded)
         trainable = [p for p in params if p.requires_grad]
         frozen = [p for p in params if not p.requires_grad]
         self.trainable = FlatShard(trainable, rank, num_ranks, dtype, device, keep_full, shard_device) if trainable else None
@@ -118,12 +119,15 @@ class Unit:
         self.numel = sum(f.layout.padded_numel for f in self.flats)
         self.keeps_full = keep_full or not self.flats  # never released
         self.state = UnitState.GATHERED  # until `shard_from_full` has run
-        self._works: list = []
+        self._works: list = []  # all-gathers in flight
+        self._reads: list = []  # NVMe parameter offload: shard reads in flight
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self.master: torch.Tensor | None = None  # the trainable shard's fp32 master (set by the strategy)
+        self.master_slot = None  # NVMe offload: the SwapSlot holding the master's bytes
         self.owned_grad: torch.Tensor | None = None  # reduced gradient shard (set by the strategy)
         self.master_resident = contextlib.nullcontext  # NVMe offload: brings the master into memory
         self.pieces: list[tuple[int, int, int]] = []  # (optimizer group, start, stop) in the owned shard
+        self.piece_views: list[torch.Tensor] = []  # master[start:stop] of each: the optimizer's params
         # backward bookkeeping, reset per backward (see stage3.py's [Note: when a unit is released])
         self.calls_pending = 0  # forward calls whose post-backward has not run yet
         self.grads_pending = 0  # trainable params whose gradient is not final yet
@@ -147,23 +151,31 @@ class Unit:
     # --- state transitions -----------------------------------------------------------------------
 
     def start_gather(self) -> None:
-        """SHARDED -> GATHERING: launch the all-gathers into re-allocated full buffers."""
+        """SHARDED -> GATHERING: launch the all-gathers into re-allocated full buffers (with NVMe
+        parameter offload: launch the shards' reads; the all-gathers follow in finish_gather)."""
         if self.state is not UnitState.SHARDED:
             raise AssertionError(f"rank {comm.get_rank()}: start_gather on unit {self.name} in state {self.state}")
+        self._reads = [f.slot.read() for f in self.flats if f.slot is not None]  # evicted when gathered
+        self._works = [] if self._reads else self._launch_all_gathers()
+        self.state = UnitState.GATHERING
+
+    def _launch_all_gathers(self) -> list:
         works = []
         for f in self.flats:
             f.allocate()
-            if f.slot is not None:
-                f.slot.read().wait()  # freed again when the gather completes
             shard = f.shard if f.shard.device == f.full.device else f.shard.to(f.full.device, non_blocking=True)
             works.append(comm.all_gather_into_tensor(f.full, shard, async_op=True))
-        self._works = works
-        self.state = UnitState.GATHERING
+        return works
 
     def finish_gather(self) -> None:
         """GATHERING -> GATHERED: wait, then make the parameters views of the full buffers."""
         if self.state is not UnitState.GATHERING:
             raise AssertionError(f"rank {comm.get_rank()}: finish_gather on unit {self.name} in state {self.state}")
+        if self._reads:
+            for read in self._reads:
+                read.wait()
+            self._reads = []
+            self._works = self._launch_all_gathers()
         for work in self._works:
             work.wait()
         self._works = []
