@@ -44,7 +44,6 @@ that ran different units of the same sizes; different sizes end in the collectiv
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from functools import partial
 
 import torch
@@ -65,6 +64,7 @@ from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import trainable_in_registration_order
 from zerodp.zero.init import gather_init_param, is_partitioned
 from zerodp.zero.stage12 import MAX_BUCKETS_IN_FLIGHT, check_elementwise
+from zerodp.zero.trace import UnitTrace
 from zerodp.zero.units import FlatShard, Unit, UnitState, mark_leaf_modules_from_config, plan_units
 
 
@@ -92,7 +92,7 @@ class Stage3(Strategy):
         check_elementwise(self.optimizer, self.config)
         self.swapper = self._swapper(zero.offload_optimizer)
         self._install_hooks()
-        self.trace = _Trace()
+        self.trace = UnitTrace()
         self._stats: torch.Tensor | None = None
         self.in_flight: list[tuple[Unit, torch.Tensor, object]] = []
 
@@ -410,7 +410,7 @@ class Stage3(Strategy):
         if stats[0].item() == -stats[1].item():
             return
         with comm.ledger.outside_step():
-            orders = comm.gather_messages(self.trace.describe(self.units))
+            orders = comm.gather_messages(self.trace.describe([u.name for u in self.units]))
         lines = "\n".join(f"  rank {r}: {o}" for r, o in enumerate(orders))
         raise RuntimeError("ZeRO stage 3: ranks ran different modules in this forward/backward, so their "
                            "parameter gathers paired up wrongly and this micro-batch's results are invalid. "
@@ -641,47 +641,3 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.callback()
         return (None, *grads)
-
-
-class _Trace:
-    """The order units ran in per phase ("forward", "backward"): recorded, then followed."""
-
-    def __init__(self) -> None:
-        self.recorded: dict[str, list[int] | None] = {"forward": None, "backward": None}
-        self.current: dict[str, list[int]] = {"forward": [], "backward": []}
-        self.following: dict[str, bool] = {"forward": False, "backward": False}
-        self.history: list[int] = []  # this forward + backward, for the cross-rank check
-
-    def begin(self, phase: str) -> None:
-        self.current[phase] = []
-        self.following[phase] = self.recorded[phase] is not None
-        if phase == "forward":
-            self.history = []
-
-    def visit(self, phase: str, index: int) -> bool:
-        """Record unit `index`; True while the pass still follows the recorded order."""
-        current, recorded = self.current[phase], self.recorded[phase]
-        position = len(current)
-        current.append(index)
-        self.history.append(index)
-        if self.following[phase] and (position >= len(recorded) or recorded[position] != index):
-            logger.debug("stage 3: the %s order changed at position %d; prefetch off until it is re-recorded",
-                         phase, position)
-            self.following[phase] = False
-        return self.following[phase]
-
-    def upcoming(self, phase: str) -> list[int]:
-        recorded = self.recorded[phase]
-        return recorded[len(self.current[phase]) :] if self.following[phase] and recorded else []
-
-    def end(self, phase: str) -> None:
-        if self.current[phase] != self.recorded[phase]:
-            self.recorded[phase] = list(self.current[phase])
-
-    def digest(self) -> int:
-        raw = hashlib.blake2b(repr(self.history).encode(), digest_size=7).digest()
-        return int.from_bytes(raw, "little")
-
-    def describe(self, units: list[Unit]) -> str:
-        names = [units[i].name for i in self.history]
-        return " -> ".join(names[:40]) + (f" ... ({len(names)} in all)" if len(names) > 40 else "")
