@@ -501,3 +501,39 @@ def test_init_keeps_a_models_own_weight_initialisation() -> None:
     partitioned, _ = run_ranks(_init_gpt, 2, args=(True,))
     assert whole.keys() == partitioned.keys()
     assert all(torch.equal(whole[n], partitioned[n]) for n in whole)
+
+
+class _TwoFrozenBlocks(torch.nn.Module):
+    """Two frozen blocks of the same size that `swap` runs in the other order, and one trainable
+    scale: the ranks' collectives still pair up one to one, so only the order check can tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.blocks.requires_grad_(False)
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor, swap: bool) -> torch.Tensor:
+        for block in (reversed(self.blocks) if swap else self.blocks):
+            x = torch.tanh(block(x))
+        return (self.scale * x).square().mean()
+
+
+def _different_order_without_per_gather_checks(rank: int, world: int):
+    import zerodp
+
+    zerodp.comm.backend = lambda: "nccl"  # as on NCCL by default: no 8-byte check before each gather
+    engine, *_ = zerodp.initialize(model=_TwoFrozenBlocks(), config=_config(), optimizer=_adamw)
+    loss = engine(torch.ones(2, 8), swap=rank == 1)
+    engine.backward(loss)
+
+
+def test_without_per_gather_checks_the_order_hash_names_each_ranks_modules() -> None:
+    """Same-size units run in another order on one rank pair their gathers wrongly without any
+    error from the collectives; the hash compared after backward raises on every rank, naming each
+    rank's order, before the optimizer steps on garbage. (Divergences that change the sequence of
+    collectives hang until the collective timeout instead: docs/stage3.md.)"""
+    with pytest.raises(RankFailed, match=r"ranks ran different modules(.|\n)*rank 0: <root> -> blocks.0 -> blocks.1"
+                                         r"(.|\n)*rank 1: <root> -> blocks.1 -> blocks.0"):
+        run_ranks(_different_order_without_per_gather_checks, 2, timeout=60)

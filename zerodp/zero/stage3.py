@@ -37,8 +37,9 @@ same decisions because they run the same units. Ranks that run different modules
 the wrong gathers: on gloo (where it is cheap) and with `zero_optimization.enable_sanity_checks`
 every gather is preceded by an 8-byte all-gather of the unit's index, and ranks about to gather
 different units raise naming them. On NCCL without sanity checks that would cost a host sync per
-gather, so a hash of the order is compared at the end of every backward instead (it catches ranks
-that ran different units of the same sizes; different sizes end in the collective timeout).
+gather, so a hash of the order is compared at the end of every backward instead: it catches
+divergences whose collectives still pair up one to one (same-size units in another order); one
+that changes the sequence of collectives waits in a collective until the timeout.
 """
 
 from __future__ import annotations
