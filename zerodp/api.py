@@ -14,10 +14,10 @@ from zerodp.config import ZeroDPConfig, load_config
 from zerodp.engine import Engine
 from zerodp.log import log_rank0, warn_once
 from zerodp.offload.cpu import Home, preflight_offload
-from zerodp.zero.units import full_numel
 from zerodp.optim import optimizer_factory, param_groups_from
 from zerodp.precision import DtypePolicy
 from zerodp.zero import strategy_class
+from zerodp.zero.units import full_numel
 
 
 def initialize(
