@@ -2,14 +2,17 @@
 
     python bench/compare.py                              # 23M-param GPT, 2 ranks, fp32 and bf16
     python bench/compare.py --model small --dtypes fp32 --frameworks ddp,zerodp0,deepspeed0,fsdp2
+    python bench/compare.py --stage3                     # = --frameworks ddp,fsdp2_3,deepspeed3,zerodp3
 
 Frameworks: ddp (torch DDP; bf16 = autocast over fp32 params), fsdp2 (`fully_shard` per block,
-`reshard_after_forward=False`: ZeRO-2-like; bf16 = MixedPrecisionPolicy), deepspeed0/1/2 (when
-installed), zerodp0/1/2. Every framework runs in fresh processes (gloo on CPU, one thread per
-rank, OMP_NUM_THREADS=1), and the frameworks are interleaved over `--rounds` rounds so a slow
-spell of the machine hits all of them. Reported: median step time over all timed steps (forward,
-backward with gradient reduction, clipping, optimizer) as a ratio to DDP, and each rank's peak RSS
-(max over ranks and rounds). JSON results go to bench/results/.
+`reshard_after_forward=False`: ZeRO-2-like; bf16 = MixedPrecisionPolicy), fsdp2_3 (the same with
+`reshard_after_forward=True`: ZeRO-3-like), deepspeed0/1/2/3 (when installed; stage 3 with its
+default stage-3 settings), zerodp0/1/2/3 (stage 3 with its default settings). Every framework runs
+in fresh processes (gloo on CPU, one thread per rank, OMP_NUM_THREADS=1), and the frameworks are
+interleaved over `--rounds` rounds so a slow spell of the machine hits all of them. Reported: median
+step time over all timed steps (forward, backward with gradient reduction, clipping, optimizer) as a
+ratio to DDP, and each rank's peak RSS (max over ranks and rounds). JSON results go to
+bench/results/ (compare_<model>.json; compare_<model>_stage3.json with --stage3).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import socket
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -38,6 +42,7 @@ MODELS = {
     "gpt23m": (GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layer=6, n_head=8), 2),
 }
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+STAGE3 = "ddp,fsdp2_3,deepspeed3,zerodp3"
 
 
 def _batches(model_cfg: GPTConfig, micro_batch: int, rank: int, steps: int):
@@ -72,9 +77,10 @@ def _fsdp2(model: torch.nn.Module, dtype: str, stage: int):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if dtype == "bf16" else MixedPrecisionPolicy()
+    reshard = stage == 3  # True: parameters freed after forward and re-gathered for backward (ZeRO-3)
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=False, mp_policy=mp_policy)
-    fully_shard(model, reshard_after_forward=False, mp_policy=mp_policy)
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=mp_policy)
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=mp_policy)
     return _torch_step(model, model, "fp32")  # mixed precision is FSDP's policy, not autocast
 
 
@@ -115,6 +121,8 @@ def _build(name: str, model: torch.nn.Module, dtype: str, micro_batch: int):
         return _ddp(model, dtype, 0)
     if name == "fsdp2":
         return _fsdp2(model, dtype, 2)
+    if name == "fsdp2_3":
+        return _fsdp2(model, dtype, 3)
     stage = int(name[-1])
     return (_zerodp if name.startswith("zerodp") else _deepspeed)(model, dtype, stage, micro_batch)
 
@@ -139,7 +147,9 @@ def _worker(rank: int, world: int, port: int, name: str, model_name: str, dtype:
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         out.put((rank, {"times": times, "peak_rss": peak_rss}))
     except Exception as err:  # noqa: BLE001 - a framework that cannot run is reported, not fatal
-        out.put((rank, {"error": f"{type(err).__name__}: {err}"}))
+        where = traceback.extract_tb(err.__traceback__)[-1]
+        out.put((rank, {"error": f"{type(err).__name__}: {err} ({where.filename}:{where.lineno})",
+                        "traceback": traceback.format_exc()}))
     finally:
         dist.destroy_process_group()
 
@@ -166,17 +176,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--frameworks", default="ddp,fsdp2,deepspeed1,deepspeed2,zerodp0,zerodp1,zerodp2")
+    parser.add_argument("--stage3", action="store_true", help=f"shorthand for --frameworks {STAGE3}")
     args = parser.parse_args()
+    if args.stage3:
+        args.frameworks = STAGE3
     os.environ["OMP_NUM_THREADS"] = "1"
     ctx = mp.get_context("spawn")
     results: dict[str, dict] = {}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for dtype in args.dtypes.split(","):
             for name in args.frameworks.split(","):
+                print(f"round {round_ + 1}/{args.rounds}: {name}/{dtype}", file=sys.stderr, flush=True)
                 entry = results.setdefault(f"{name}/{dtype}", {"times": [], "peak_rss": 0})
                 for rank_result in _run_one(ctx, args, name, dtype):
                     if "error" in rank_result:
                         entry["error"] = rank_result["error"]
+                        entry["traceback"] = rank_result["traceback"]
                     else:
                         entry["times"] += rank_result["times"]
                         entry["peak_rss"] = max(entry["peak_rss"], rank_result["peak_rss"])
@@ -197,10 +212,17 @@ def _report(results: dict[str, dict], args: argparse.Namespace) -> None:
         base = results.get(f"ddp/{key.split('/')[1]}", {}).get("times")
         ratio = f"{median / statistics.median(base):.2f}x" if base else "-"
         lines.append(f"  {key:<18} {median * 1e3:9.1f} {ratio:>7} {entry['peak_rss'] / 2**20:11.0f} MiB")
+    for dtype in args.dtypes.split(","):  # zerodp3 against the other ZeRO-3 implementations
+        mine = results.get(f"zerodp3/{dtype}", {}).get("times")
+        for other in ("fsdp2_3", "deepspeed3"):
+            theirs = results.get(f"{other}/{dtype}", {}).get("times")
+            if mine and theirs:
+                lines.append(f"  zerodp3 / {other} ({dtype}): {statistics.median(mine) / statistics.median(theirs):.2f}x")
     sys.stdout.write("\n".join(lines) + "\n")
     out_dir = Path(__file__).parent / "results"
     out_dir.mkdir(exist_ok=True)
-    (out_dir / f"compare_{args.model}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    suffix = "_stage3" if args.stage3 else ""
+    (out_dir / f"compare_{args.model}{suffix}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 
 
 if __name__ == "__main__":
