@@ -1,6 +1,9 @@
-"""Small deterministic models and data for the distributed tests."""
+"""Small deterministic models and data for the distributed tests, and the DDP reference loop."""
 
 from __future__ import annotations
+
+import contextlib
+from typing import Callable
 
 import torch
 from torch import nn
@@ -108,3 +111,25 @@ class BlockLM(nn.Module):
 def make_block_lm(seed: int = 0, **kwargs) -> BlockLM:
     torch.manual_seed(seed)
     return BlockLM(**kwargs)
+
+
+def train_with_ddp(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps: int, gas: int, clip: float,
+                   forward_kwargs: Callable[[int, int], dict] = lambda step, micro: {},
+                   find_unused: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The unsharded reference: torch DDP with no_sync between accumulation boundaries, torch's
+    clipping and `optimizer`. Returns every micro-batch's loss and the final parameters."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, find_unused_parameters=find_unused)
+    losses = []
+    for step in range(steps):
+        for micro in range(gas):
+            with ddp.no_sync() if micro < gas - 1 else contextlib.nullcontext():
+                loss = ddp(*batch(rank, step, micro), **forward_kwargs(step, micro))
+                (loss / gas).backward()
+            losses.append(loss.item())
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
-from tests.models import batch, make_model, two_groups
+from tests.models import batch, make_model, train_with_ddp, two_groups
 
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
 
@@ -35,24 +35,8 @@ def _config(gas: int, clip: float, **extra) -> dict:
 
 
 def _ddp_reference(rank: int, world: int, steps: int, gas: int, clip: float):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     model = make_model()
-    ddp = DDP(model)
-    opt = torch.optim.AdamW(two_groups(model), **ADAMW)
-    losses = []
-    for step in range(steps):
-        for micro in range(gas):
-            ctx = ddp.no_sync() if micro < gas - 1 else contextlib.nullcontext()
-            with ctx:
-                loss = ddp(*batch(rank, step, micro))
-                (loss / gas).backward()
-            losses.append(loss.item())
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train_with_ddp(model, torch.optim.AdamW(two_groups(model), **ADAMW), rank, steps, gas, clip)
 
 
 def _zerodp_run(rank: int, world: int, steps: int, gas: int, clip: float, extra: dict | None = None):

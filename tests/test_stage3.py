@@ -9,14 +9,13 @@ parity is possible]: stage 3 reduces every micro-batch like stage 2.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
 
 from tests.harness import RankFailed, run_ranks
-from tests.models import batch, make_block_lm, two_groups
+from tests.models import batch, make_block_lm, train_with_ddp, two_groups
 
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
 BINDING, LOOSE = 0.5, 100.0
@@ -35,23 +34,9 @@ def _config(gas: int = 1, clip: float = LOOSE, **zero) -> dict:
 
 
 def _ddp(rank: int, steps: int, gas: int, clip: float, optimizer, model_kwargs: dict, use_last=_use_last):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     model = make_block_lm(**model_kwargs)
-    ddp = DDP(model, find_unused_parameters=True)
-    opt = optimizer(two_groups(model))
-    losses = []
-    for step in range(steps):
-        for micro in range(gas):
-            with ddp.no_sync() if micro < gas - 1 else contextlib.nullcontext():
-                loss = ddp(*batch(rank, step, micro), use_last=use_last(step, micro))
-                (loss / gas).backward()
-            losses.append(loss.item())
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train_with_ddp(model, optimizer(two_groups(model)), rank, steps, gas, clip,
+                          lambda step, micro: {"use_last": use_last(step, micro)}, find_unused=True)
 
 
 def _zerodp(rank: int, steps: int, gas: int, config: dict, optimizer, model_kwargs: dict, use_last=_use_last,
