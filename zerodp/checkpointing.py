@@ -224,17 +224,31 @@ def remove(model: nn.Module) -> None:
             del module._zerodp_checkpointed
 
 
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, block) for each child of the model's largest non-empty nn.ModuleList (a transformer's
+    layers), the same module object once; [] when there is none. Checkpointing's "blocks" policy
+    and stage 3's default units both use it."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    name, largest = max(lists, key=lambda nm: len(nm[1]))
+    blocks, seen = [], set()
+    for i, child in enumerate(largest):
+        if child not in seen:  # a block listed twice (shared weights) is one block
+            seen.add(child)
+            blocks.append((f"{name}.{i}" if name else str(i), child))
+    return blocks
+
+
 def _find_blocks(model: nn.Module, module_classes: tuple[type, ...] | None) -> list[tuple[str, nn.Module]]:
     if module_classes:
         found = [(n, m) for n, m in model.named_modules() if isinstance(m, tuple(module_classes))]
-    else:
-        lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-        if not lists:
-            raise ValueError("the model has no nn.ModuleList of blocks; pass module_classes=(YourBlock,)")
-        name, largest = max(lists, key=lambda nm: len(nm[1]))
-        found = [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(largest)]
+        if not found:
+            raise ValueError(f"no module of classes {module_classes} in the model")
+        return found
+    found = repeated_blocks(model)
     if not found:
-        raise ValueError(f"no module of classes {module_classes} in the model")
+        raise ValueError("the model has no nn.ModuleList of blocks; pass module_classes=(YourBlock,)")
     return found
 
 

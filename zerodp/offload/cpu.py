@@ -47,14 +47,6 @@ class Home:
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.empty(numel, dtype).zero_()
 
-    def holding(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` itself when it already lives here, else a copy here (same dtype)."""
-        if tensor.device == self.device and not self.offload:
-            return tensor
-        copy = self.empty(tensor.numel(), tensor.dtype)
-        copy.copy_(tensor.reshape(-1))
-        return copy
-
     def master_of(self, shard: torch.Tensor) -> torch.Tensor:
         """The fp32 master of a working-precision shard: the shard itself (fp32, no offload), else
         an fp32 copy here."""

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from zerodp import comm
+from zerodp.checkpointing import repeated_blocks
 from zerodp.zero.layout import GroupLayout, group_layout
 
 
@@ -259,10 +260,9 @@ class UnitPlan:
     persistent: list[nn.Parameter]
 
 
-def plan_units(model: nn.Module, persistence_threshold: int, model_persistence_threshold: int,
-               unit_roots: list[tuple[str, nn.Module]] | None = None) -> UnitPlan:
+def plan_units(model: nn.Module, persistence_threshold: int, model_persistence_threshold: int) -> UnitPlan:
     """Assign every parameter of `model` to exactly one unit; see [Note: choosing units]."""
-    roots = unit_roots if unit_roots is not None else _default_unit_roots(model)
+    roots = _unit_roots(model)
     unit_of_module: dict[nn.Module, int] = {}
     for i, (_, m) in enumerate(roots, start=1):
         for sub in m.modules():
@@ -308,19 +308,10 @@ def mark_leaf_modules_from_config(model: nn.Module, classes: list[str], names: l
     return marked
 
 
-def _default_unit_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules marked by set_z3_leaf_modules (outermost only), else the largest ModuleList's children."""
+def _unit_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules marked by set_z3_leaf_modules (outermost only), else the model's repeated blocks."""
     marked = [(n, m) for n, m in model.named_modules() if getattr(m, "_z3_leaf", False) and m is not model]
     if marked:
         inside = {sub for _, m in marked for sub in list(m.modules())[1:]}
         return [(n, m) for n, m in marked if m not in inside]
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        return []
-    name, largest = max(lists, key=lambda nm: len(nm[1]))
-    children, seen = [], set()
-    for i, child in enumerate(largest):
-        if child not in seen:  # the same block object listed twice is one unit
-            seen.add(child)
-            children.append((f"{name}.{i}" if name else str(i), child))
-    return children
+    return repeated_blocks(model)
