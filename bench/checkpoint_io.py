@@ -1,7 +1,7 @@
 """Checkpoint save / load / convert throughput and peak memory on a checkpoint of >= 1 GB.
 
-    python bench/checkpoint_io.py                 # ~92M-param GPT, saved at 2 ranks stage 2,
-                                                  # loaded at 1 rank stage 1, converted to safetensors
+    python bench/checkpoint_io.py                 # 109M-param GPT, saved at 2 ranks stage 2, loaded at
+                                                  # 1 rank stage 1, converted to safetensors and to .bin
 
 Each phase runs in fresh processes; peak RSS is each process's ru_maxrss, reported next to the
 same process's RSS just before the phase (the baseline: torch, the model, the optimizer state).
@@ -87,12 +87,12 @@ def _phase(phase: str, world: int, stage: int, root: str) -> list[dict]:
     return [r for _, r in sorted(queue.get() for _ in range(world))]
 
 
-def _convert(root: str, out: str) -> dict:
+def _convert(how: str, root: str, out: str) -> dict:
     code = ("import resource,time,sys; sys.path.insert(0, %r); import torch, zerodp.checkpoint as c; "
             "b=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; t=time.perf_counter(); "
-            "c.convert_to_safetensors(%r, %r, tag='bench', max_shard_bytes=2**28); "
+            "c.%s(%r, %r, tag='bench', max_shard_bytes=2**28); "
             "print(time.perf_counter()-t, b/1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024)"
-            % (str(Path(__file__).resolve().parents[1]), root, out))
+            % (str(Path(__file__).resolve().parents[1]), how, root, out))
     seconds, before, peak = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                                        check=True).stdout.split())
     return {"seconds": seconds, "rss_before_mib": before, "peak_mib": peak}
@@ -107,12 +107,13 @@ def main() -> None:
         saved = _phase("save", 2, 2, root)
         size = sum(f.stat().st_size for f in Path(root, "bench").iterdir())
         loaded = _phase("load", 1, 1, root)
-        converted = _convert(root, os.path.join(root, "hf"))
+        safetensors = _convert("convert_to_safetensors", root, os.path.join(root, "hf"))
+        torch_bin = _convert("convert_to_torch", root, os.path.join(root, "bin"))
         largest = max(p.numel() for p in TinyGPT(MODEL).parameters()) * 4
         lines = [f"TinyGPT {saved[0]['numel'] / 1e6:.0f}M params; checkpoint {size / 2**30:.2f} GiB; "
-                 f"largest tensor {largest / 2**20:.0f} MiB; safetensors shards of 256 MiB"]
+                 f"largest tensor {largest / 2**20:.0f} MiB; output shards of 256 MiB"]
         for name, results in (("save (2 ranks, stage 2)", saved), ("load (1 rank, stage 1)", loaded),
-                              ("convert to safetensors", [converted])):
+                              ("convert to safetensors", [safetensors]), ("convert to pytorch_model.bin", [torch_bin])):
             for r, res in enumerate(results):
                 rate = size / res["seconds"] / 2**20
                 lines.append(f"  {name:<26} rank {r}: {res['seconds']:6.2f} s ({rate:6.0f} MiB/s of checkpoint), "

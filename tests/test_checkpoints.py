@@ -16,10 +16,10 @@ from tests.models import batch, make_model
 GAS = 2
 
 
-def _engine(stage: int, precision: dict | None = None, world_seed: int = 0):
+def _engine(stage: int, precision: dict | None = None, model: torch.nn.Module | None = None):
     import zerodp
 
-    model = make_model()
+    model = model if model is not None else make_model()
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
               # stage 3: parameters up to 100 elements (norms, biases) stay whole, the rest is sharded
               "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 100} if stage == 3 else {})},
@@ -284,15 +284,91 @@ def test_export_to_safetensors_and_state_dict_equals_the_trained_weights(tmp_pat
     assert main(["ckpt", "convert", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "2KB"]) == 0
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) > 1  # 2 KB shards force several files
+    assert len(shards) > 1 and shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
     exported = {k: v for shard in shards for k, v in read_safetensors(tmp_path / "out" / shard).items()}
     assert set(state) - set(exported) == {"head.weight"}  # tied to embed.weight: written once
     assert all(torch.equal(exported[n], state[n]) for n in exported)
+    assert not list((tmp_path / "out").glob("*.tmp"))
     model = make_model(seed=1)
     model.load_state_dict(state)  # strict: every name, tied ones included
     assert torch.equal(model.head.weight, trained["embed.weight"])
     assert main(["ckpt", "inspect", str(tmp_path / "ckpt")]) == 0
     assert "saved by 2 ranks at ZeRO stage 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("max_shard", ["2KB", "5GB"])
+def test_export_to_pytorch_model_bin_keeps_tied_names_in_one_shard(tmp_path: Path, max_shard: str) -> None:
+    from zerodp.checkpoint import load_state_dict_from_checkpoint
+    from zerodp.cli import main
+
+    run_ranks(_save_for_export, 2, args=(str(tmp_path / "ckpt"),))
+    state = load_state_dict_from_checkpoint(tmp_path / "ckpt", dtype=torch.bfloat16)
+    out = tmp_path / "out"
+    assert main(["ckpt", "convert", str(tmp_path / "ckpt"), str(out), "--to", "fp32", "--dtype", "bf16",
+                 "--max-shard-size", max_shard]) == 0
+    if max_shard == "5GB":
+        files = ["pytorch_model.bin"]
+    else:
+        weight_map = json.loads((out / "pytorch_model.bin.index.json").read_text())["weight_map"]
+        assert weight_map["head.weight"] == weight_map["embed.weight"]
+        files = sorted(set(weight_map.values()))
+        assert len(files) > 1
+    exported = {k: v for f in files for k, v in torch.load(out / f, weights_only=True).items()}
+    assert exported.keys() == state.keys()
+    assert all(exported[n].dtype == torch.bfloat16 and torch.equal(exported[n], state[n]) for n in state)
+    assert exported["head.weight"].data_ptr() == exported["embed.weight"].data_ptr()
+
+
+# --- frozen parameters and buffers ---------------------------------------------------------------------
+
+
+def _frozen_model(seed: int) -> torch.nn.Module:
+    """BlockLM with one block frozen and a buffer: what a fine-tune looks like to a checkpoint."""
+    from tests.models import make_block_lm
+
+    model = make_block_lm(seed)
+    model.blocks[1].requires_grad_(False)
+    model.register_buffer("table", torch.randn(5))
+    return model
+
+
+def _everything(engine) -> dict[str, torch.Tensor]:
+    import zerodp
+
+    with zerodp.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: t.detach().clone() for n, t in [*engine.module.named_parameters(), *engine.module.named_buffers()]}
+
+
+def _save_frozen(rank: int, world: int, stage: int, root: str):
+    engine = _engine(stage, model=_frozen_model(seed=0))
+    _train(engine, rank, range(2))
+    engine.module.table.mul_(3)  # a buffer that changed during training
+    engine.save_checkpoint(root, tag="t")
+    return _everything(engine)
+
+
+def _load_frozen(rank: int, world: int, stage: int, root: str):
+    engine = _engine(stage, model=_frozen_model(seed=1))
+    engine.load_checkpoint(root, tag="t")
+    return _everything(engine)
+
+
+@pytest.mark.parametrize("saved_at,loaded_at", [((2, 3), (1, 0)), ((2, 3), (2, 3)), ((1, 2), (2, 3))])
+def test_frozen_parameters_and_buffers_round_trip(tmp_path: Path, saved_at: tuple, loaded_at: tuple) -> None:
+    """Frozen parameters and buffers are not in the rank files (no optimizer state): stage 3 gathers
+    them unit by unit into engine.pt and scatters them back into the shards on load."""
+    from zerodp.checkpoint import load_state_dict_from_checkpoint
+
+    saved = run_ranks(_save_frozen, saved_at[0], args=(saved_at[1], str(tmp_path)))[0]
+    fresh = _frozen_model(seed=1)
+    assert not torch.equal(fresh.blocks[1].fc1.weight, saved["blocks.1.fc1.weight"])  # the load has work to do
+    loaded = run_ranks(_load_frozen, loaded_at[0], args=(loaded_at[1], str(tmp_path)))
+    for state in loaded:
+        assert state.keys() == saved.keys()
+        assert all(torch.equal(state[n], t) for n, t in saved.items()), [n for n, t in saved.items()
+                                                                        if not torch.equal(state[n], t)]
+    exported = load_state_dict_from_checkpoint(tmp_path)
+    assert all(torch.equal(exported[n], t) for n, t in saved.items())
 
 
 # --- the data loader's position ---------------------------------------------------------------------

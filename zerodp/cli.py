@@ -66,16 +66,17 @@ def _parser() -> argparse.ArgumentParser:
     inspect_.add_argument("dir", help="checkpoint directory (with 'latest') or a tag directory")
     inspect_.add_argument("--tag", default=None, help="tag to read (default: the one in DIR/latest)")
     inspect_.set_defaults(func=_cmd_ckpt_inspect)
-    convert = ckpt.add_parser("convert", help="write full weights: one fp32 state dict, or safetensors shards")
+    convert = ckpt.add_parser("convert", help="write full weights as safetensors or pytorch_model.bin shards, streaming")
     convert.add_argument("dir", help="checkpoint directory (with 'latest') or a tag directory")
     convert.add_argument("out", help="output directory")
     convert.add_argument("--to", choices=["fp32", "safetensors"], default="safetensors",
-                         help="fp32: pytorch_model.bin (the whole model in memory); safetensors: streamed "
-                              "shards + model.safetensors.index.json (default)")
+                         help="safetensors: model.safetensors, or shards + model.safetensors.index.json (default; "
+                              "memory: about the largest tensor); fp32: pytorch_model.bin, or shards + "
+                              "pytorch_model.bin.index.json (memory: about one shard)")
     convert.add_argument("--tag", default=None, help="tag to read (default: the one in DIR/latest)")
     convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                          help="dtype of the trainable weights written (default fp32, the master weights)")
-    convert.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 500MB, 5GB (default 5GB)")
+    convert.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB (default 5GB)")
     convert.set_defaults(func=_cmd_ckpt_convert)
 
     demo = sub.add_parser("demo", help="train a small GPT on a synthetic task, then show the memory ledger")
@@ -146,28 +147,23 @@ def _parse_size(text: str) -> int:
 def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from zerodp.checkpoint import convert_to_safetensors, load_state_dict_from_checkpoint
+    from zerodp.checkpoint import convert_to_safetensors, convert_to_torch
     from zerodp.checkpoint.format import CheckpointError
     from zerodp.metrics import ProgressBar
 
     dtype = getattr(torch, _DTYPES[args.dtype])
     try:
-        if args.to == "fp32":
-            os.makedirs(args.out, exist_ok=True)
-            path = os.path.join(args.out, "pytorch_model.bin")
-            torch.save(load_state_dict_from_checkpoint(args.dir, args.tag, dtype), path)
-            files = [path]
-        else:
-            bar: list = []
+        bar: list = []
 
-            def progress(done: int, total: int) -> None:
-                if not bar:
-                    bar.append(ProgressBar(total, sys.stderr))
-                bar[0].update(done)
+        def progress(done: int, total: int) -> None:
+            if not bar:
+                bar.append(ProgressBar(total, sys.stderr))
+            bar[0].update(done)
 
-            files = convert_to_safetensors(args.dir, args.out, args.tag, dtype, _parse_size(args.max_shard_size), progress)
-            if bar:
-                bar[0].close()
+        convert = convert_to_torch if args.to == "fp32" else convert_to_safetensors
+        files = convert(args.dir, args.out, args.tag, dtype, _parse_size(args.max_shard_size), progress)
+        if bar:
+            bar[0].close()
     except (CheckpointError, OSError, ValueError) as err:
         print(f"zerodp ckpt convert: {err}", file=sys.stderr)
         return EXIT_FAILED

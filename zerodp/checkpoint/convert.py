@@ -3,10 +3,12 @@
     state_dict = zerodp.checkpoint.load_state_dict_from_checkpoint("ckpt")          # in Python
     zerodp ckpt convert ckpt out/ --to safetensors --max-shard-size 2GB            # Hugging Face style
 
-Parameters are assembled from the rank files in file order, one file in memory at a time; a
-parameter is handed on as soon as its last piece was read. Because every rank's pieces are a
-contiguous run of each flat group, only the few parameters that straddle two rank files are ever
-held partly filled, so memory stays near one rank file plus one output shard. Safetensors files are
+Parameters are assembled from the rank files in file order; a parameter is handed on as soon as
+its last piece was read. Rank files are memory-mapped and each piece's pages are given back once
+copied, and because every rank's pieces are a contiguous run of each flat group, only the few
+parameters that straddle two rank files are ever held partly filled. The output is laid out from
+meta.json before any tensor is read, so safetensors shards are written tensor by tensor: memory
+stays near the largest tensor (`bench/checkpoint_io.py` measures it). Safetensors files are
 written by this module (the format is an 8-byte header length, a JSON header, raw little-endian
 data), so no extra package is needed.
 """
@@ -17,11 +19,12 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import torch
 
-from zerodp.checkpoint.format import ENGINE, LATEST, CheckpointError, check_tag, read_meta, verified_load
+from zerodp.checkpoint.format import (ENGINE, LATEST, META, CheckpointError, check_tag, copy_from_mapped, read_meta,
+                                      release_pages, verified_load)
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                        torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL", torch.int8: "I8"}
@@ -39,23 +42,69 @@ def resolve_tag_dir(ckpt_dir: str | Path, tag: str | None = None) -> Path:
     return root / check_tag(tag)
 
 
+def _rank_files(meta: dict) -> list[str]:
+    return sorted((n for n in meta["files"] if n.startswith("rank_")), key=lambda n: int(n.split("_")[1]))
+
+
+def assembly_order(meta: dict) -> list[str]:
+    """Trainable parameter names in the order `iter_parameters` completes them, from meta.json
+    alone: a writer can lay out its output before reading any tensor."""
+    remaining = {name: math.prod(info["shape"]) for name, info in meta["params"].items()}
+    order = []
+    for file in _rank_files(meta):
+        for name, _, numel in meta["files"][file]["pieces"]:
+            remaining[name] -= numel
+            if remaining[name] == 0:
+                order.append(name)
+    return order
+
+
 def iter_parameters(tag_dir: Path, meta: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full fp32 tensor) for every trainable parameter, as soon as it is complete."""
+    """(name, full fp32 tensor) for every trainable parameter, as soon as it is complete, in
+    `assembly_order`. Rank files are mapped, not read whole: each piece's pages are released once
+    copied, so only the parameters being assembled are resident."""
     params = meta["params"]
     partial: dict[str, tuple[torch.Tensor, int]] = {}
-    rank_files = sorted((n for n in meta["files"] if n.startswith("rank_")), key=lambda n: int(n.split("_")[1]))
-    for name in rank_files:
-        for piece in verified_load(tag_dir, name, meta)["pieces"]:
-            full, filled = partial.get(piece["name"]) or (torch.empty(math.prod(params[piece["name"]]["shape"])), 0)
-            full[piece["offset"] : piece["offset"] + piece["numel"]].copy_(piece["tensors"]["master"])
+    for file in _rank_files(meta):
+        for piece in verified_load(tag_dir, file, meta, mmap=True)["pieces"]:
+            name, master = piece["name"], piece["tensors"]["master"]
+            full, filled = partial.get(name) or (torch.empty(math.prod(params[name]["shape"])), 0)
+            copy_from_mapped(full[piece["offset"] : piece["offset"] + piece["numel"]], master)
             filled += piece["numel"]
             if filled == full.numel():
-                partial.pop(piece["name"], None)
-                yield piece["name"], full.view(params[piece["name"]]["shape"])
+                partial.pop(name, None)
+                yield name, full.view(params[name]["shape"])
             else:
-                partial[piece["name"]] = (full, filled)
+                partial[name] = (full, filled)
     if partial:
         raise CheckpointError(f"{tag_dir}: the rank files do not cover {sorted(partial)}")
+
+
+class _Source:
+    """A checkpoint's full tensors, planned from metadata and then streamed in that order: trainable
+    parameters (fp32 masters cast to `dtype`), then buffers and frozen parameters as saved."""
+
+    def __init__(self, ckpt_dir: str | Path, tag: str | None, dtype: torch.dtype | None) -> None:
+        self.tag_dir = resolve_tag_dir(ckpt_dir, tag)
+        self.meta = read_meta(self.tag_dir)
+        self.dtype = dtype
+        self.extra = verified_load(self.tag_dir, ENGINE, self.meta, mmap=True)["module_extra"]  # not read yet
+        self.tied = self.meta.get("tied", {})
+
+    def plan(self) -> list[tuple[str, list[int], torch.dtype]]:
+        """(name, shape, dtype) of every tensor `tensors()` yields, in its order; tied aliases excluded."""
+        trainable = self.dtype or torch.float32
+        return ([(n, self.meta["params"][n]["shape"], trainable) for n in assembly_order(self.meta)]
+                + [(n, list(t.shape), t.dtype) for n, t in self.extra.items()])
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, contiguous CPU tensor) in `plan()` order, each owned by the caller."""
+        for name, tensor in iter_parameters(self.tag_dir, self.meta):
+            yield name, tensor.to(self.dtype) if self.dtype is not None else tensor
+        for name, tensor in self.extra.items():
+            copy = tensor.clone(memory_format=torch.contiguous_format)
+            release_pages(tensor)
+            yield name, copy
 
 
 def load_state_dict_from_checkpoint(ckpt_dir: str | Path, tag: str | None = None,
@@ -63,17 +112,25 @@ def load_state_dict_from_checkpoint(ckpt_dir: str | Path, tag: str | None = None
     """The full model state dict of a checkpoint (trainable parameters from the fp32 masters, cast
     to `dtype`; buffers and frozen parameters as saved; tied names share one tensor), on the CPU,
     ready for `model.load_state_dict`."""
-    tag_dir = resolve_tag_dir(ckpt_dir, tag)
-    meta = read_meta(tag_dir)
-    state = dict(_tensors(tag_dir, meta, dtype))
-    state.update({alias: state[name] for alias, name in meta.get("tied", {}).items() if name in state})
+    source = _Source(ckpt_dir, tag, dtype)
+    state = dict(source.tensors())
+    state.update({alias: state[name] for alias, name in source.tied.items() if name in state})
     return state
 
 
-def _tensors(tag_dir: Path, meta: dict, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in iter_parameters(tag_dir, meta):
-        yield name, tensor.to(dtype) if dtype is not None else tensor
-    yield from verified_load(tag_dir, ENGINE, meta)["module_extra"].items()
+def _shards(plan: list[tuple[str, list[int], torch.dtype]], max_shard_bytes: int) -> list[list[int]]:
+    """Indices into `plan` per output shard: consecutive, at most `max_shard_bytes` each (a larger
+    tensor gets a shard of its own)."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, (_, shape, dtype) in enumerate(plan):
+        nbytes = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    return shards
 
 
 def convert_to_safetensors(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None,
@@ -81,68 +138,114 @@ def convert_to_safetensors(ckpt_dir: str | Path, out_dir: str | Path, tag: str |
                            progress: Callable[[int, int], None] | None = None) -> list[Path]:
     """Write Hugging Face style `model-0000i-of-0000n.safetensors` shards of at most
     `max_shard_bytes` (a larger tensor gets a shard of its own) plus `model.safetensors.index.json`.
-    Tied parameters are written once, under their first name (as `save_pretrained` does).
-    `progress(done_params, total_params)` is called as parameters are written. Returns the files."""
-    tag_dir = resolve_tag_dir(ckpt_dir, tag)
-    meta = read_meta(tag_dir)
+    Tied parameters are written once, under their first name (as `save_pretrained` does). Each
+    tensor is written as soon as it is assembled (headers are laid out from the metadata first), so
+    memory stays near the largest tensor. `progress(done, total)` counts tensors written."""
+    source = _Source(ckpt_dir, tag, dtype)
+    plan = source.plan()
+    shards = _shards(plan, max_shard_bytes)
+    names = _shard_names("model", "safetensors", len(shards))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    total = len(meta["params"])
-    current: list[tuple[str, torch.Tensor]] = []  # the shard being filled
-    written: list[Path] = []
-    weight_map: dict[str, int] = {}
-    size = 0
-    for done, (name, tensor) in enumerate(_tensors(tag_dir, meta, dtype), start=1):
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            written.append(_write_shard(out, len(written), current))
-            current, size = [], 0
-        current.append((name, tensor.contiguous()))
-        weight_map[name] = len(written)
-        size += nbytes
-        if progress is not None:
-            progress(min(done, total), total)
-    written.append(_write_shard(out, len(written), current))
-    return _finish_names(out, written, weight_map)
+    tensors = source.tensors()
+    done = 0
+    for indices, file in zip(shards, names):
+        entries = [plan[i] for i in indices]
+        with open(out / f"{file}.tmp", "wb") as f:
+            f.write(_safetensors_header(entries))
+            for expected, _, _ in entries:
+                name, tensor = next(tensors)
+                _check_order(source, expected, name)
+                _write_bytes(f, tensor)
+                done += 1
+                if progress is not None:
+                    progress(done, len(plan))
+    weight_map = {plan[i][0]: file for indices, file in zip(shards, names) for i in indices}
+    return _publish(out, names, weight_map, "model.safetensors.index.json")
 
 
-def _write_shard(out: Path, index: int, tensors: list[tuple[str, torch.Tensor]]) -> Path:
-    path = out / f"shard_{index}.tmp"
-    write_safetensors(path, tensors)
-    return path
+def convert_to_torch(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None = None,
+                     dtype: torch.dtype | None = torch.float32, max_shard_bytes: int = 5 * 2**30,
+                     progress: Callable[[int, int], None] | None = None) -> list[Path]:
+    """Write `pytorch_model.bin`, or `pytorch_model-0000i-of-0000n.bin` shards of at most
+    `max_shard_bytes` plus `pytorch_model.bin.index.json` (the layout `from_pretrained` reads).
+    Tied names are kept, sharing one tensor in the same shard. Memory: one shard."""
+    source = _Source(ckpt_dir, tag, dtype)
+    plan = source.plan()
+    shards = _shards(plan, max_shard_bytes)
+    names = _shard_names("pytorch_model", "bin", len(shards))
+    aliases: dict[str, list[str]] = {}
+    for alias, name in source.tied.items():
+        aliases.setdefault(name, []).append(alias)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = source.tensors()
+    weight_map, done = {}, 0
+    for indices, file in zip(shards, names):
+        shard: dict[str, torch.Tensor] = {}
+        for i in indices:
+            name, tensor = next(tensors)
+            _check_order(source, plan[i][0], name)
+            for key in (name, *aliases.get(name, ())):
+                shard[key] = tensor
+                weight_map[key] = file
+            done += 1
+            if progress is not None:
+                progress(done, len(plan))
+        with open(out / f"{file}.tmp", "wb") as f:
+            torch.save(shard, f)
+        del shard
+    return _publish(out, names, weight_map, "pytorch_model.bin.index.json")
 
 
-def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Write (name, contiguous tensor) pairs as one safetensors file (no shared storage allowed)."""
+def _check_order(source: _Source, expected: str, name: str) -> None:
+    if name != expected:
+        raise CheckpointError(f"{source.tag_dir}: the rank files hold {name} where {META} puts {expected}")
+
+
+def _shard_names(stem: str, suffix: str, n: int) -> list[str]:
+    return [f"{stem}-{i + 1:05d}-of-{n:05d}.{suffix}" for i in range(n)] if n > 1 else [f"{stem}.{suffix}"]
+
+
+def _publish(out: Path, names: list[str], weight_map: dict[str, str], index_name: str) -> list[Path]:
+    """Rename the finished `.tmp` shards to their names and, for several, write the index."""
+    files = [out / name for name in names]
+    for file in files:
+        (out / f"{file.name}.tmp").rename(file)
+    if len(files) > 1:
+        total = sum(f.stat().st_size for f in files)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / index_name).write_text(json.dumps(index, indent=2))
+        files.append(out / index_name)
+    return files
+
+
+def _safetensors_header(entries: list[tuple[str, list[int], torch.dtype]]) -> bytes:
+    """The length-prefixed JSON header of a safetensors file holding `entries` in order."""
     header, offset = {}, 0
-    for name, t in tensors:
-        if t.dtype not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{name}: dtype {t.dtype} has no safetensors code")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+    for name, shape, dtype in entries:
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{name}: dtype {dtype} has no safetensors code")
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _write_bytes(f: BinaryIO, tensor: torch.Tensor) -> None:
+    if tensor.numel():
+        f.write(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Write (name, tensor) pairs as one safetensors file."""
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        f.write(_safetensors_header([(n, list(t.shape), t.dtype) for n, t in tensors]))
         for _, t in tensors:
-            f.write(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-
-
-def _finish_names(out: Path, written: list[Path], weight_map: dict[str, int]) -> list[Path]:
-    """Rename shards to model-0000i-of-0000n.safetensors and write the index."""
-    n = len(written)
-    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors" for i in range(n)]
-    for path, name in zip(written, names):
-        path.rename(out / name)
-    files = [out / name for name in names]
-    if n > 1:
-        total = sum(f.stat().st_size for f in files)
-        index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in sorted(weight_map.items())}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        files.append(out / "model.safetensors.index.json")
-    return files
+            _write_bytes(f, t)
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:

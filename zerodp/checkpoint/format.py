@@ -20,10 +20,14 @@ metadata is JSON. Documented for users in docs/checkpoints.md. The one collectiv
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import json
+import mmap as mmap_module
 import os
 import pickle
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -107,9 +111,10 @@ def read_meta(tag_dir: Path) -> dict:
     return meta
 
 
-def verified_load(tag_dir: Path, name: str, meta: dict) -> Any:
+def verified_load(tag_dir: Path, name: str, meta: dict, mmap: bool = False) -> Any:
     """Load one tensor file after checking it exists and matches its recorded size and sha256;
-    never unpickles code (weights_only)."""
+    never unpickles code (weights_only). With `mmap`, tensors view the mapped file and take memory
+    only for the pages read (see `release_pages`)."""
     path = tag_dir / name
     recorded = meta["files"].get(name)
     if recorded is None:
@@ -120,10 +125,41 @@ def verified_load(tag_dir: Path, name: str, meta: dict) -> Any:
         raise CheckpointError(f"{path} is corrupt: its size or sha256 differs from {META} "
                               "(truncated or modified after the save)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"{path} holds a pickled Python object, which zerodp refuses to load "
                               f"(it could run code): {str(err).splitlines()[-1][:200]}") from None
+
+
+_PAGE = mmap_module.PAGESIZE
+_MADV_DONTNEED = 4
+
+
+def copy_from_mapped(dest: torch.Tensor, src: torch.Tensor, chunk: int = 1 << 22) -> None:
+    """dest.copy_(src) for a 1-d `src` from `verified_load(..., mmap=True)`, releasing the mapped pages
+    every `chunk` elements: a 1 GiB piece costs 16 MiB of resident file pages, not 1 GiB."""
+    for lo in range(0, src.numel(), chunk):
+        dest[lo : lo + chunk].copy_(src[lo : lo + chunk])
+        release_pages(src[lo : lo + chunk])
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Give back the resident pages of a tensor from `verified_load(..., mmap=True)` once it was
+    read, so reading a large file piece by piece keeps one piece resident, not the file. The mapping
+    is private and never written, so a dropped page is read from the file again if touched: only
+    ever call this on such tensors (on an ordinary tensor it would zero memory)."""
+    if not sys.platform.startswith("linux") or tensor.numel() == 0:
+        return
+    start = tensor.data_ptr() // _PAGE * _PAGE
+    end = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _PAGE) * _PAGE
+    _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def on_every_rank(work: Callable[[], Any]) -> Any:

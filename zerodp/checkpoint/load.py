@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from zerodp import comm
-from zerodp.checkpoint.format import (ENGINE, LATEST, CheckpointError, check_tag, on_every_rank, read_meta, rng_file,
-                                      verified_load)
+from zerodp.checkpoint.format import (ENGINE, LATEST, CheckpointError, check_tag, copy_from_mapped, on_every_rank,
+                                      read_meta, rng_file, verified_load)
 from zerodp.log import log_rank0, logger
 
 
@@ -100,7 +100,7 @@ def _fill_pieces(engine: Any, tag_dir: Path, meta: dict, with_optimizer: bool, s
         if not name.startswith("rank_") or not any(_overlap(w, o, n) for n_, o, n in info["pieces"]
                                                    for w in wanted.get(n_, [])):
             continue
-        for saved in verified_load(tag_dir, name, meta)["pieces"]:
+        for saved in verified_load(tag_dir, name, meta, mmap=True)["pieces"]:  # reads only what overlaps
             for piece in wanted.get(saved["name"], []):
                 filled[id(piece)] += _copy_overlap(saved, piece, with_optimizer)
     short = [p.name for ps in wanted.values() for p in ps if filled[id(p)] != p.numel and p.name in meta["params"]]
@@ -125,7 +125,7 @@ def _copy_overlap(saved: dict, piece: Any, with_optimizer: bool) -> int:
             raise CheckpointError(f"optimizer state '{key}' of {piece.name} is not in the checkpoint "
                                   "(saved with another optimizer?); pass load_optimizer_states=False")
         src = saved["tensors"][key]
-        dest[lo - piece.offset : hi - piece.offset].copy_(src[lo - saved["offset"] : hi - saved["offset"]])
+        copy_from_mapped(dest[lo - piece.offset : hi - piece.offset], src[lo - saved["offset"] : hi - saved["offset"]])
     return hi - lo
 
 
