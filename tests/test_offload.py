@@ -87,28 +87,34 @@ def test_fp32_offload_keeps_a_host_master_and_the_params_on_the_device() -> None
 
 
 def _nvme(path: str, params: bool = False) -> dict:
-    optimizer = {"offload_optimizer": {"device": "nvme", "nvme_path": path, "buffer_count": 3}}
+    # sub_group_size: stages 1-2 swap each group's owned shard in chunks of 500 elements (several per group)
+    optimizer = {"offload_optimizer": {"device": "nvme", "nvme_path": path, "buffer_count": 3}, "sub_group_size": 500}
     # max_in_cpu: the first 2,000 elements of parameter shards stay in host memory, the rest go to files
     return {**optimizer, "offload_param": {"device": "nvme", "nvme_path": path, "max_in_cpu": 2000}} if params else optimizer
 
 
-def _nvme_pair(rank: int, world: int, precision: dict, path: str, params: bool = False):
-    cpu = _train(rank, world, 3, CPU_PARAMS if params else CPU, precision)
-    nvme = _train(rank, world, 3, _nvme(path, params), precision)
+def _nvme_pair(rank: int, world: int, precision: dict, path: str, params: bool = False, stage: int = 3):
+    cpu = _train(rank, world, stage, CPU_PARAMS if params else CPU, precision)
+    nvme = _train(rank, world, stage, _nvme(path, params), precision)
     same_params = rank != 0 or all(torch.equal(cpu[1][n], nvme[1][n]) for n in cpu[1])
     return cpu[0] == nvme[0], same_params, cpu[2], nvme[2]
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("precision", [{}, {"bf16": {"enabled": True}}], ids=["fp32", "bf16"])
-def test_nvme_optimizer_offload_is_bitwise_cpu_offload_and_leaves_nothing_behind(tmp_path, precision) -> None:
-    """Masters and Adam state swapped per unit through files: the same numbers as CPU offload; the
-    ledger puts exactly their bytes in the nvme tier; the swap folder is gone after the run."""
-    for same_losses, same_params, cpu, nvme in run_ranks(_nvme_pair, 2, args=(precision, str(tmp_path))):
+def test_nvme_optimizer_offload_is_bitwise_cpu_offload_and_leaves_nothing_behind(tmp_path, precision, stage) -> None:
+    """Masters and Adam state swapped per chunk (stage 3: per unit) through files: the same numbers
+    as CPU offload; the ledger puts exactly their bytes in the nvme tier; the swap folder is gone
+    after the run."""
+    for same_losses, same_params, cpu, nvme in run_ranks(_nvme_pair, 2, args=(precision, str(tmp_path), False, stage)):
         assert same_losses and same_params
         assert nvme["held"]["param32_master"]["nvme"] == cpu["held"]["param32_master"]["cpu"]
         assert "cpu" not in nvme["held"]["param32_master"]  # (fp32: the device shards count as params)
-        # Adam's exp_avg and exp_avg_sq in the swap file, its 0-dim `step` counters in host memory
-        assert nvme["held"]["optim_state"]["nvme"] + nvme["held"]["optim_state"]["cpu"] == cpu["held"]["optim_state"]["cpu"]
+        # Adam's exp_avg and exp_avg_sq in the swap file (twice the master), its 0-dim `step`
+        # counters (4 bytes per optimizer tensor: a unit's group piece, or a chunk) in host memory
+        assert nvme["held"]["optim_state"]["nvme"] == 2 * nvme["held"]["param32_master"]["nvme"]
+        assert nvme["held"]["optim_state"]["nvme"] + 4 * 2 <= cpu["held"]["optim_state"]["cpu"]
+        assert nvme["held"]["optim_state"]["cpu"] % 4 == 0 and nvme["held"]["optim_state"]["cpu"] <= 4 * 16
         assert "device" not in nvme["held"]["optim_state"]
     assert list(tmp_path.iterdir()) == []
 
@@ -123,12 +129,12 @@ def test_nvme_parameter_offload_is_bitwise_and_puts_the_shards_beyond_max_in_cpu
     assert list(tmp_path.iterdir()) == []
 
 
-def _resume_nvme(rank: int, world: int, path: str, ckpt: str, phase: str):
+def _resume_nvme(rank: int, world: int, stage: int, path: str, ckpt: str, phase: str):
     import zerodp
 
     model = make_block_lm()
     config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {
-        "stage": 3, "stage3_param_persistence_threshold": 0, **_nvme(path)}}
+        "stage": stage, "stage3_param_persistence_threshold": 0, **_nvme(path)}}
     engine, *_ = zerodp.initialize(model=model, config=config, optimizer=lambda g: torch.optim.AdamW(g, **ADAMW))
     steps = {"straight": range(4), "first": range(2), "second": range(2, 4)}[phase]
     if phase == "second":
@@ -144,12 +150,13 @@ def _resume_nvme(rank: int, world: int, path: str, ckpt: str, phase: str):
     return losses
 
 
-def test_nvme_offload_checkpoints_resume_exactly(tmp_path) -> None:
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_offload_checkpoints_resume_exactly(tmp_path, stage: int) -> None:
     swap, ckpt = tmp_path / "swap", str(tmp_path / "ckpt")
     swap.mkdir()
-    straight = run_ranks(_resume_nvme, 2, args=(str(swap), ckpt, "straight"))
-    first = run_ranks(_resume_nvme, 2, args=(str(swap), ckpt, "first"))
-    second = run_ranks(_resume_nvme, 2, args=(str(swap), ckpt, "second"))
+    straight = run_ranks(_resume_nvme, 2, args=(stage, str(swap), ckpt, "straight"))
+    first = run_ranks(_resume_nvme, 2, args=(stage, str(swap), ckpt, "first"))
+    second = run_ranks(_resume_nvme, 2, args=(stage, str(swap), ckpt, "second"))
     assert all(a + b == s for a, b, s in zip(first, second, straight))
 
 

@@ -93,9 +93,6 @@ def _offload_rules(cfg: ZeroDPConfig) -> list[str]:
     if opt is not None and opt.device != "none" and zero.stage == 0:
         problems.append(f"{where}.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3 "
                         f"({where}.stage is 0)")
-    if opt is not None and opt.device == "nvme" and zero.stage != 3:
-        problems.append(f"{where}.offload_optimizer.device: \"nvme\" needs ZeRO stage 3 "
-                        f"({where}.stage is {zero.stage}); use \"cpu\" or stage 3")
     if opt is not None and opt.ratio < 1 and zero.stage != 3:
         problems.append(f"{where}.offload_optimizer.ratio: got {opt.ratio}; partial offload "
                         f"(ratio < 1) needs ZeRO stage 3 ({where}.stage is {zero.stage})")

@@ -23,7 +23,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from zerodp.offload.aio import run_swap_pipeline
+from zerodp.memory import CPU, NVME, Category, MemoryLedger, optimizer_state_tensors
+from zerodp.offload.aio import AsyncFileIO, run_swap_pipeline
 from zerodp.offload.nvme import SwapStore
 
 
@@ -141,3 +142,20 @@ class OptimizerSwapper:
         master = sum(s["master"].num_bytes for s in self.slots)
         state = sum(slot.num_bytes for s in self.slots for key, slot in s.items() if key != "master")
         return master, state
+
+
+def swap_store(section, key: str, aio) -> SwapStore | None:
+    """A swap store under the section's nvme_path when its device is nvme (space was checked by
+    zerodp.offload.cpu.preflight_offload before any rank communicated)."""
+    if section is None or section.device != "nvme":
+        return None
+    return SwapStore(section.nvme_path, key=key, engine=AsyncFileIO.from_aio_config(aio))
+
+
+def add_swapped_optimizer(led: MemoryLedger, swapper: OptimizerSwapper, optimizer: torch.optim.Optimizer) -> None:
+    """The ledger's lines for masters and optimizer state kept in swap files: their bytes in the
+    nvme tier, the scalar state (Adam's step) in host memory."""
+    master_bytes, state_bytes = swapper.nvme_bytes()
+    led.add_bytes(Category.PARAM32_MASTER, NVME, master_bytes)
+    led.add_bytes(Category.OPTIM_STATE, NVME, state_bytes)
+    led.add(Category.OPTIM_STATE, [t for t in optimizer_state_tensors(optimizer) if t.dim() == 0], CPU)

@@ -24,7 +24,9 @@ one 2-element all-reduce (sum of squares, overflow count), so every rank takes t
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -32,9 +34,11 @@ from torch import nn
 from zerodp import comm
 from zerodp.memory import DEVICE, Category, MemoryLedger, optimizer_state_tensors
 from zerodp.offload.cpu import Home
+from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY
+from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_swapped_optimizer, swap_store
 from zerodp.precision import first_nonfinite
-from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, elementwise_state, sum_over_ranks_grad_stats,
-                              unscaled_clipped_fp32)
+from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, fp32_scaled,
+                              sum_over_ranks_grad_stats)
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
 from zerodp.zero.layout import Bucket, GroupLayout, assign_buckets, group_layout, owner_pieces
@@ -50,10 +54,13 @@ MAX_BUCKETS_IN_FLIGHT = 2
 
 
 class FlatGroup:
-    """One param group flattened into `flat_param`; this rank owns `flat_param[owned]`."""
+    """One param group flattened into `flat_param`; this rank owns `flat_param[owned]`. Its fp32
+    master is one tensor, or (NVMe offload) one per chunk of at most `chunk_numel` elements of the
+    owned shard, each swapped on its own (see [Note: NVMe at stages 1 and 2])."""
 
     def __init__(self, params: list[nn.Parameter], layout: GroupLayout, rank: int, dtype: torch.dtype,
-                 device: torch.device, home: Home) -> None:
+                 device: torch.device, make_master: Callable[[torch.Tensor], torch.Tensor],
+                 chunk_numel: int | None = None) -> None:
         self.params = params
         self.layout = layout
         self.flat_param = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
@@ -65,9 +72,12 @@ class FlatGroup:
         start, stop = layout.owned_range(rank)
         self.owned = slice(start, stop)
         owned = self.flat_param[self.owned]
+        size = chunk_numel or owned.numel()
+        self.chunks = [(lo, min(lo + size, owned.numel())) for lo in range(0, owned.numel(), size)]
+        views = [owned] if len(self.chunks) == 1 else [owned[lo:hi] for lo, hi in self.chunks]
         # fp32 training: the owned slice is its own master; 16-bit or offloaded: an fp32 copy.
-        self.master = home.master_of(owned)
-        self.separate_master = self.master is not owned
+        self.masters = [make_master(view) for view in views]
+        self.separate_master = self.masters[0] is not views[0]
         self.flat_grad: FlatGradBuffer | None = None  # stage 1: full-size accumulation
         self.owned_grad: torch.Tensor | None = None  # stage 1: reduced at the boundary; stage 2: persistent
 
@@ -77,13 +87,16 @@ class FlatGroup:
         return [(names.get(self.params[s.index], "?"), self.owned_grad[s.flat_offset - start : s.flat_offset - start + s.numel])
                 for s in self.layout.slices_in(self.owned.start, self.owned.stop)]
 
-    def publish(self, num_ranks: int) -> None:
-        """Write the updated master shard into the flat buffer and all-gather every rank's shard."""
-        owned = self.flat_param[self.owned]
+    def write_master(self, k: int) -> None:
+        """Write the updated master chunk k into the flat buffer (casting)."""
         if self.separate_master:
-            Home.publish(owned, self.master)
+            lo, hi = self.chunks[k]
+            Home.publish(self.flat_param[self.owned][lo:hi], self.masters[k])
+
+    def all_gather(self, num_ranks: int) -> None:
+        """Every rank's updated shard into the flat buffer."""
         if num_ranks > 1:
-            comm.all_gather_into_tensor(self.flat_param, owned)  # in place
+            comm.all_gather_into_tensor(self.flat_param, self.flat_param[self.owned])  # in place
 
 
 @dataclass
@@ -106,19 +119,38 @@ class Stage12(Strategy):
         order = trainable_in_registration_order(module, param_groups)
         self.position = {p: i for i, p in enumerate(order)}
         self.names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
+        section = self.config.zero_optimization.offload_optimizer
+        self.optim_store = swap_store(section, OPTIMIZER_NVME_PATH_KEY, self.config.aio)
+        self.master_slots: list[SwapSlot] = []
         self.groups = [self._flat_group(g["params"]) for g in param_groups]
         self.group_of = {p: fg for fg in self.groups for p in fg.params}
+        self.chunk_list = [(fg, k) for fg in self.groups for k in range(len(fg.chunks))]  # the optimizer's tensors
         self._init_gradients()
         for p in order:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self.optimizer = make_optimizer([{**g, "params": [fg.master]} for g, fg in zip(param_groups, self.groups)])
+        self.optimizer = make_optimizer([{**g, "params": fg.masters} for g, fg in zip(param_groups, self.groups)])
         check_elementwise(self.optimizer, self.config)
+        self.swapper = None if self.optim_store is None else OptimizerSwapper(
+            self.optim_store, self.optimizer,
+            [(slot.name.removesuffix("/master"), slot, [slot.tensor]) for slot in self.master_slots], section.buffer_count)
         self._stats: torch.Tensor | None = None
 
     def _flat_group(self, params: list[nn.Parameter]) -> FlatGroup:
         params = sorted(params, key=self.position.__getitem__)  # flat order = registration order
         layout = group_layout([p.numel() for p in params], self.num_ranks)
-        return FlatGroup(params, layout, self.rank, self.policy.param_dtype, self.device, self.home)
+        chunk = int(self.config.zero_optimization.sub_group_size) if self.optim_store is not None else None
+        return FlatGroup(params, layout, self.rank, self.policy.param_dtype, self.device, self._master_of, chunk)
+
+    def _master_of(self, view: torch.Tensor) -> torch.Tensor:
+        """The fp32 master of an owned chunk; with NVMe offload written to its swap file and freed
+        before the next chunk's is made, so set-up never holds the whole master in host memory."""
+        master = self.home.master_of(view)
+        if self.optim_store is not None:
+            slot = SwapSlot(self.optim_store, f"chunk{len(self.master_slots)}/master", master)
+            slot.write().wait()
+            slot.evict()
+            self.master_slots.append(slot)
+        return master
 
     # --- gradients: stage 1 -------------------------------------------------------------------
 
@@ -186,15 +218,26 @@ class Stage12(Strategy):
 
     @torch.no_grad()
     def step(self, loss_scale: float, max_norm: float) -> float:
-        total_norm, grads = unscaled_clipped_fp32(self, [fg.owned_grad for fg in self.groups],
-                                                  float(self._global_stats()[0]), loss_scale, max_norm)
-        for fg, grad in zip(self.groups, grads):
-            fg.master.grad = grad
-        self.optimizer.step()
+        total_norm, coef = clip_coefficient(float(self._global_stats()[0]), loss_scale, max_norm)
+        if self.swapper is None:
+            self._step_chunks(range(len(self.chunk_list)), coef)
+        else:  # one chunk's master, optimizer state and fp32 gradient in memory at a time
+            self.swapper.step(lambda i: self._step_chunks([i], coef))
         for fg in self.groups:
-            fg.master.grad = None
-            fg.publish(self.num_ranks)
+            fg.all_gather(self.num_ranks)
         return total_norm
+
+    def _step_chunks(self, indices: Iterable[int], coef: float) -> None:
+        """The optimizer over these master chunks (others have no .grad, so torch skips them), then
+        their values written into the flat buffers."""
+        chunks = [self.chunk_list[i] for i in indices]
+        for fg, k in chunks:
+            lo, hi = fg.chunks[k]
+            fg.masters[k].grad = fp32_scaled(self, fg.owned_grad[lo:hi] if len(fg.chunks) > 1 else fg.owned_grad, coef)
+        self.optimizer.step()
+        for fg, k in chunks:
+            fg.masters[k].grad = None
+            fg.write_master(k)
 
     def zero_grad(self) -> None:
         self._stats = None
@@ -208,22 +251,38 @@ class Stage12(Strategy):
         """The parameter slices inside this rank's owned shards (the same to save and to load)."""
         pieces = []
         for g, fg in enumerate(self.groups):
-            start = fg.owned.start
-            state = {"master": fg.master.data, **elementwise_state(self.optimizer, fg.master)}
-            for s in fg.layout.slices_in(fg.owned.start, fg.owned.stop):
-                lo = s.flat_offset - start
-                pieces.append(Piece(self.names[fg.params[s.index]], g, s.param_offset, s.numel,
-                                    {k: v[lo : lo + s.numel] for k, v in state.items()}))
+            for (lo, hi), master in zip(fg.chunks, fg.masters):
+                start = fg.owned.start + lo
+                state = {"master": master.data, **elementwise_state(self.optimizer, master)}
+                for s in fg.layout.slices_in(start, fg.owned.start + hi):
+                    a = s.flat_offset - start
+                    pieces.append(Piece(self.names[fg.params[s.index]], g, s.param_offset, s.numel,
+                                        {k: v[a : a + s.numel] for k, v in state.items()}))
         return pieces
 
     def piece_index(self, rank: int) -> list[tuple[str, int, int]]:
-        return [(self.names[fg.params[s.index]], s.param_offset, s.numel)
-                for fg in self.groups for s in fg.layout.slices_in(*fg.layout.owned_range(rank))]
+        out = []
+        for fg in self.groups:
+            start = fg.layout.owned_range(rank)[0]
+            out += [(self.names[fg.params[s.index]], s.param_offset, s.numel)
+                    for lo, hi in fg.chunks for s in fg.layout.slices_in(start + lo, start + hi)]
+        return out
 
     @torch.no_grad()
     def after_load(self) -> None:
         for fg in self.groups:
-            fg.publish(self.num_ranks)
+            for k in range(len(fg.chunks)):
+                fg.write_master(k)
+            fg.all_gather(self.num_ranks)
+
+    def optimizer_resident(self):
+        """Checkpoints read and write masters and optimizer state inside this context."""
+        return self.swapper.resident() if self.swapper is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        if self.optim_store is not None:
+            self.optim_store.close()
+            self.optim_store.engine.close()
 
     # --- reports -------------------------------------------------------------------------------
 
@@ -237,9 +296,13 @@ class Stage12(Strategy):
         tensors = [fg.flat_param for fg in self.groups] + [p for p in self.module.parameters() if p not in trainable]
         for t in tensors:  # the fp32 params are their own master
             led.add(Category.PARAM32_MASTER if t.dtype == torch.float32 else Category.PARAM16, t)
-        led.add(Category.PARAM32_MASTER, [fg.master for fg in self.groups if fg.separate_master], self.home.tier)
         led.add(Category.GRAD, *self._grad_tensors())
-        led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer), self.home.tier)
+        if self.swapper is None:
+            led.add(Category.PARAM32_MASTER, [m for fg in self.groups if fg.separate_master for m in fg.masters],
+                    self.home.tier)
+            led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer), self.home.tier)
+        else:
+            add_swapped_optimizer(led, self.swapper, self.optimizer)
         led.add(Category.BUFFER, list(self.module.buffers()))
         led.transient_peak.update(self.transient_peak)
         return led

@@ -53,11 +53,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zerodp import comm
 from zerodp.log import logger
-from zerodp.memory import CPU, DEVICE, NVME, Category, MemoryLedger, optimizer_state_tensors
-from zerodp.offload.aio import AsyncFileIO
+from zerodp.memory import DEVICE, NVME, Category, MemoryLedger, optimizer_state_tensors
 from zerodp.offload.cpu import Home
-from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY, SwapStore
-from zerodp.offload.swap import OptimizerSwapper, SwapSlot
+from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY
+from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_swapped_optimizer, swap_store
 from zerodp.precision import first_nonfinite
 from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, fp32_scaled,
                               sum_over_ranks_grad_stats)
@@ -84,8 +83,8 @@ class Stage3(Strategy):
         self.sanity_checks = zero.enable_sanity_checks or comm.backend() == "gloo"
         trainable_in_registration_order(module, param_groups)  # every optimizer param is the model's
         self.names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
-        self.optim_store = _swap_store(zero.offload_optimizer, OPTIMIZER_NVME_PATH_KEY, self.config.aio)
-        self.param_store = _swap_store(zero.offload_param, PARAM_NVME_PATH_KEY, self.config.aio)
+        self.optim_store = swap_store(zero.offload_optimizer, OPTIMIZER_NVME_PATH_KEY, self.config.aio)
+        self.param_store = swap_store(zero.offload_param, PARAM_NVME_PATH_KEY, self.config.aio)
         self._param_numel_in_cpu = 0  # offload_param nvme: shard elements kept in host memory so far
         self._build_units(module, param_groups)
         self._place_buffers(module)
@@ -596,21 +595,10 @@ class Stage3(Strategy):
         if self.swapper is None:
             led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer), self.home.tier)
         else:
-            master_bytes, state_bytes = self.swapper.nvme_bytes()
-            led.add_bytes(Category.PARAM32_MASTER, NVME, master_bytes)
-            led.add_bytes(Category.OPTIM_STATE, NVME, state_bytes)
-            led.add(Category.OPTIM_STATE, [t for t in optimizer_state_tensors(self.optimizer) if t.dim() == 0], CPU)
+            add_swapped_optimizer(led, self.swapper, self.optimizer)
         led.add(Category.BUFFER, list(self.module.buffers()))
         led.transient_peak.update(self.transient_peak)
         return led
-
-
-def _swap_store(section, key: str, aio) -> SwapStore | None:
-    """A swap store under the section's nvme_path when its device is nvme (space was checked by
-    zerodp.offload.cpu.preflight_offload before any rank communicated)."""
-    if section is None or section.device != "nvme":
-        return None
-    return SwapStore(section.nvme_path, key=key, engine=AsyncFileIO.from_aio_config(aio))
 
 
 def _group_pieces(f: FlatShard, group_of: dict) -> list[tuple[int, int, int]]:
