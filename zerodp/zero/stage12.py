@@ -20,6 +20,15 @@ micro-batch instead of once per step: that is the price of never holding full gr
 [Note: global norm and overflow]
 The gradient norm and the inf/nan flag are computed on each rank's owned shards and combined in
 one 2-element all-reduce (sum of squares, overflow count), so every rank takes the same decision.
+
+[Note: NVMe at stages 1 and 2]
+With `offload_optimizer.device: nvme` each group's owned master is split into chunks of at most
+`sub_group_size` elements, each its own fp32 tensor and its own optimizer param, written to the
+swap file as it is made (set-up never holds the whole master). The step runs the chunks through
+offload/swap.py's pipeline: read chunk i+1, step chunk i and write its values into the flat
+buffer, write chunk i-1 back; `buffer_count` chunks are in memory at most. The optimizer is
+element-wise, so splitting changes no number: bitwise equal to CPU offload (tests/test_offload.py).
+The reduced gradient shard stays in host memory (stage 2) or on the device (stage 1).
 """
 
 from __future__ import annotations
