@@ -23,8 +23,8 @@ from typing import BinaryIO, Callable, Iterator
 
 import torch
 
-from zerodp.checkpoint.format import (ENGINE, LATEST, META, CheckpointError, check_tag, copy_from_mapped, read_meta,
-                                      release_pages, verified_load)
+from zerodp.checkpoint.format import (ENGINE, LATEST, META, CheckpointError, check_tag, copy_from_mapped, rank_file_order,
+                                      read_meta, release_pages, verified_load)
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                        torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL", torch.int8: "I8"}
@@ -43,7 +43,7 @@ def resolve_tag_dir(ckpt_dir: str | Path, tag: str | None = None) -> Path:
 
 
 def _rank_files(meta: dict) -> list[str]:
-    return sorted((n for n in meta["files"] if n.startswith("rank_")), key=lambda n: int(n.split("_")[1]))
+    return sorted((n for n in meta["files"] if n.startswith("rank_")), key=rank_file_order)
 
 
 def assembly_order(meta: dict) -> list[str]:

@@ -5,7 +5,8 @@
                                      parameter (shape, dtype, group), every file's sha256 and size,
                                      and which parameter pieces each rank file holds
     DIR/TAG/rank_R_of_W.pt           rank R's owned pieces: fp32 master values and element-wise
-                                     optimizer state per (parameter, offset, numel)
+                                     optimizer state per (parameter, offset, numel); under NVMe
+                                     offload rank_R_of_W_part_K.pt, one per swap chunk
     DIR/TAG/rng_R.pt                 rank R's RNG states (python, numpy, torch, cuda)
     DIR/TAG/engine.pt                rank 0: counters, loss scaler, scheduler, optimizer
                                      hyperparameters and scalar state per group, module buffers and
@@ -45,9 +46,16 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as asked: names the file and what is wrong with it."""
 
 
-def rank_file(rank: int, world_size: int) -> str:
-    """The name of rank `rank`'s shard file in a checkpoint saved by `world_size` ranks."""
-    return f"rank_{rank}_of_{world_size}.pt"
+def rank_file(rank: int, world_size: int, part: int | None = None) -> str:
+    """The name of rank `rank`'s shard file in a checkpoint saved by `world_size` ranks (`part`:
+    one of several, written one NVMe swap chunk at a time)."""
+    return f"rank_{rank}_of_{world_size}" + (f"_part_{part}" if part is not None else "") + ".pt"
+
+
+def rank_file_order(name: str) -> tuple[int, int]:
+    """(rank, part) of a rank file's name: sorting by it puts every rank's pieces in flat order."""
+    fields = name.removesuffix(".pt").split("_")
+    return int(fields[1]), int(fields[5]) if len(fields) > 5 else 0
 
 
 def rng_file(rank: int) -> str:
@@ -111,19 +119,23 @@ def read_meta(tag_dir: Path) -> dict:
     return meta
 
 
-def verified_load(tag_dir: Path, name: str, meta: dict, mmap: bool = False) -> Any:
+def verified_load(tag_dir: Path, name: str, meta: dict, mmap: bool = False, checked: set | None = None) -> Any:
     """Load one tensor file after checking it exists and matches its recorded size and sha256;
     never unpickles code (weights_only). With `mmap`, tensors view the mapped file and take memory
-    only for the pages read (see `release_pages`)."""
+    only for the pages read (see `release_pages`). Names in `checked` skip the sha256 (it was
+    verified by an earlier call); the name is added once verified."""
     path = tag_dir / name
     recorded = meta["files"].get(name)
     if recorded is None:
         raise CheckpointError(f"{path} is not listed in {tag_dir / META}")
     if not path.exists():
         raise CheckpointError(f"{path} is missing (saved by {meta['world_size']} ranks; every rank file is needed)")
-    if path.stat().st_size != recorded["bytes"] or sha256(path) != recorded["sha256"]:
+    if path.stat().st_size != recorded["bytes"] or (
+            (checked is None or name not in checked) and sha256(path) != recorded["sha256"]):
         raise CheckpointError(f"{path} is corrupt: its size or sha256 differs from {META} "
                               "(truncated or modified after the save)")
+    if checked is not None:
+        checked.add(name)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:

@@ -42,11 +42,11 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, load_mod
         if with_optimizer and meta["optimizer"] != type(engine.optimizer).__name__:
             raise CheckpointError(f"{tag_dir} holds {meta['optimizer']} state but the engine's optimizer is "
                                   f"{type(engine.optimizer).__name__}; pass load_optimizer_states=False")
-        with engine.strategy.optimizer_resident():
-            if with_optimizer:
-                _create_optimizer_state(engine.optimizer, state["optimizer_scalars"], state["optimizer_state_keys"])
-            on_every_rank(lambda: _fill_pieces(engine, tag_dir, meta, with_optimizer, load_module_strict))
-            engine.strategy.after_load()
+        keys = state["optimizer_state_keys"] if with_optimizer else None
+        if with_optimizer:
+            _create_scalar_state(engine.optimizer, state["optimizer_scalars"])
+        on_every_rank(lambda: _fill_pieces(engine, tag_dir, meta, keys))
+        engine.strategy.after_load()
         _load_rest(engine, tag_dir, meta, state, load_module_only, with_optimizer, load_lr_scheduler_states)
     log_rank0("loaded checkpoint %s (saved at stage %d by %d ranks)", tag_dir, meta["stage"], meta["world_size"])
     return str(tag_dir), state["client_state"]
@@ -71,39 +71,48 @@ def _trainable_names(engine: Any) -> set[str]:
     return {name for r in range(comm.get_world_size()) for name, _, _ in engine.strategy.piece_index(r)}
 
 
-def _create_optimizer_state(optimizer: torch.optim.Optimizer, scalars: list[dict], keys: list[str]) -> None:
-    """Give every optimizer tensor zeroed state with the saved scalar state (step), through
-    torch's own load_state_dict so dtypes and devices follow the optimizer's rules."""
-    if not any(scalars) and not keys:
+def _create_scalar_state(optimizer: torch.optim.Optimizer, scalars: list[dict]) -> None:
+    """Give every optimizer tensor the saved scalar state (Adam's step), through torch's own
+    load_state_dict so dtypes and devices follow the optimizer's rules. Element-wise state is
+    created batch by batch in `_fill_pieces`."""
+    if not any(scalars):
         return
     state, index = {}, 0
     groups = []
     for group, saved in zip(optimizer.param_groups, scalars):
         ids = []
-        for p in group["params"]:
-            if saved or keys:
-                # each parameter its own copy: torch increments `step` in place, per parameter
-                scalars = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
-                state[index] = {**scalars, **{k: torch.zeros_like(p) for k in keys}}
+        for _ in group["params"]:
+            if saved:  # each parameter its own copy: torch increments `step` in place, per parameter
+                state[index] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()}
             ids.append(index)
             index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _fill_pieces(engine: Any, tag_dir: Path, meta: dict, with_optimizer: bool, strict: bool) -> None:
-    wanted: dict[str, list] = {}
-    for piece in engine.strategy.pieces(saving=False):
-        wanted.setdefault(piece.name, []).append(piece)
-    filled = {id(p): 0 for ps in wanted.values() for p in ps}
-    for name, info in meta["files"].items():
-        if not name.startswith("rank_") or not any(_overlap(w, o, n) for n_, o, n in info["pieces"]
-                                                   for w in wanted.get(n_, [])):
-            continue
-        for saved in verified_load(tag_dir, name, meta, mmap=True)["pieces"]:  # reads only what overlaps
-            for piece in wanted.get(saved["name"], []):
-                filled[id(piece)] += _copy_overlap(saved, piece, with_optimizer)
-    short = [p.name for ps in wanted.values() for p in ps if filled[id(p)] != p.numel and p.name in meta["params"]]
+def _fill_pieces(engine: Any, tag_dir: Path, meta: dict, keys: list[str] | None) -> None:
+    """Batch by batch (`Strategy.resident_pieces`): create the batch's element-wise optimizer state
+    (`keys`; None: the optimizer state is not loaded), then copy in every saved range that overlaps
+    its pieces, reading only the saved files that hold such ranges."""
+    checked: set[str] = set()  # files whose sha256 was verified
+    short = []
+    for tensors, make_pieces in engine.strategy.resident_pieces(saving=False):
+        if keys:
+            for t in tensors:
+                engine.optimizer.state[t].update({k: torch.zeros_like(t) for k in keys})
+        pieces = make_pieces()
+        wanted: dict[str, list] = {}
+        for piece in pieces:
+            wanted.setdefault(piece.name, []).append(piece)
+        filled = {id(p): 0 for p in pieces}
+        for name, info in meta["files"].items():
+            if not name.startswith("rank_") or not any(_overlap(w, o, n) for n_, o, n in info["pieces"]
+                                                       for w in wanted.get(n_, [])):
+                continue
+            for saved in verified_load(tag_dir, name, meta, mmap=True, checked=checked)["pieces"]:
+                for piece in wanted.get(saved["name"], []):
+                    filled[id(piece)] += _copy_overlap(saved, piece, keys is not None)
+        short += [p.name for p in pieces if filled[id(p)] != p.numel and p.name in meta["params"]]
     if short:
         raise CheckpointError(f"{tag_dir}: the saved pieces do not cover {short}")
 

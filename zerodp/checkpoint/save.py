@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from zerodp import comm
 from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, LATEST, META, CheckpointError, check_tag, fsync_dir,
-                                      fsync_write, on_every_rank, rank_file, rng_file, sha256, torch_save_synced)
+                                      fsync_write, on_every_rank, rank_file, rank_file_order, rng_file, sha256,
+                                      torch_save_synced)
 from zerodp.log import log_rank0, logger
 from zerodp.zero.base import elementwise_state
 
@@ -77,24 +78,31 @@ def _check_tag_on_all_ranks(tag: str, policy: str) -> None:
     logger.warning(message)
 
 
-def _write_files(engine: Any, tmp: Path, rank: int, world: int, client_state: dict, extra: dict) -> list[str]:
-    """This rank's shard and RNG files; rank 0 also engine.pt. Returns the file names."""
+def _write_files(engine: Any, tmp: Path, rank: int, world: int, client_state: dict, extra: dict) -> list[tuple[str, int]]:
+    """This rank's shard files and RNG file; rank 0 also engine.pt. Returns (name, pieces in it)."""
     files = _write_rank_files(engine, tmp, rank, world)
     if rank == 0:
         torch_save_synced(_engine_state(engine, client_state, extra), tmp / ENGINE)
-        files.append(ENGINE)
+        files.append((ENGINE, 0))
     return files
 
 
-def _write_rank_files(engine: Any, tmp: Path, rank: int, world: int) -> list[str]:
-    with engine.strategy.optimizer_resident():
-        pieces = [{"name": p.name, "offset": p.offset, "numel": p.numel,
-                   "tensors": {k: t.detach().to("cpu", copy=True) for k, t in p.tensors.items()}}
-                  for p in engine.strategy.pieces(saving=True)]
-    torch_save_synced({"format_version": FORMAT_VERSION, "rank": rank, "world_size": world, "pieces": pieces},
-                      tmp / rank_file(rank, world))
+def _write_rank_files(engine: Any, tmp: Path, rank: int, world: int) -> list[tuple[str, int]]:
+    """One file per batch of `resident_pieces` (one, or one per NVMe swap chunk), then the RNG file."""
+    strategy = engine.strategy
+    parts = strategy.num_piece_batches()
+    files = []
+    for k, (_, make_pieces) in enumerate(strategy.resident_pieces(saving=True)):
+        pieces = make_pieces()
+        name = rank_file(rank, world, k if parts > 1 else None)
+        data = [{"name": p.name, "offset": p.offset, "numel": p.numel,
+                 "tensors": {key: t.detach().to("cpu", copy=True) for key, t in p.tensors.items()}} for p in pieces]
+        torch_save_synced({"format_version": FORMAT_VERSION, "rank": rank, "world_size": world, "pieces": data},
+                          tmp / name)
+        files.append((name, len(pieces)))
+        del data
     torch_save_synced(_rng_state(), tmp / rng_file(rank))
-    return [rank_file(rank, world), rng_file(rank)]
+    return [*files, (rng_file(rank), 0)]
 
 
 def _rng_state() -> dict:
@@ -156,21 +164,28 @@ def _scalar_state(optimizer: torch.optim.Optimizer, group: dict) -> dict:
     return {}
 
 
-def _gather_digests(tmp: Path, files: list[str], world: int) -> dict[str, dict]:
-    """Every rank's files' sha256 and size, gathered to all ranks (rank 0 writes them to meta)."""
-    rows = []
-    for name in files[:2]:  # the rank file and the RNG file; engine.pt is rank 0's own
+def _gather_digests(tmp: Path, files: list[tuple[str, int]], world: int) -> dict[str, dict]:
+    """Every rank's files' sha256, size and piece count, gathered to all ranks (rank 0 writes them
+    to meta). A row per rank: [number of files, then per file: 4 sha256 words, bytes, pieces]."""
+    own = [(name, n) for name, n in files if name != ENGINE]  # engine.pt is rank 0's own
+    row = [len(own)]
+    for name, n in own:
         digest = bytes.fromhex(sha256(tmp / name))
-        rows += [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
-        rows.append((tmp / name).stat().st_size)
-    gathered = comm.all_gather_rows(torch.tensor(rows, dtype=torch.int64, device=comm.device_for_backend()))
+        row += [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+        row += [(tmp / name).stat().st_size, n]
+    device = comm.device_for_backend()
+    width = int(comm.all_gather_rows(torch.tensor([len(row)], dtype=torch.int64, device=device)).max())
+    gathered = comm.all_gather_rows(torch.tensor(row + [0] * (width - len(row)), dtype=torch.int64, device=device))
     digests = {}
-    for r, row in enumerate(gathered.tolist()):
-        for j, name in enumerate((rank_file(r, world), rng_file(r))):
-            words = row[5 * j : 5 * j + 4]
+    for r, values in enumerate(gathered.tolist()):
+        count = values[0]
+        parts = count - 1  # the last file is the RNG file
+        names = [rank_file(r, world, k if parts > 1 else None) for k in range(parts)] + [rng_file(r)]
+        for j, name in enumerate(names):
+            words = values[1 + 6 * j : 5 + 6 * j]
             digests[name] = {"sha256": b"".join(w.to_bytes(8, "little", signed=True) for w in words).hex(),
-                             "bytes": row[5 * j + 4]}
-    if ENGINE in files:
+                             "bytes": values[5 + 6 * j], "num_pieces": values[6 + 6 * j]}
+    if any(name == ENGINE for name, _ in files):
         digests[ENGINE] = {"sha256": sha256(tmp / ENGINE), "bytes": (tmp / ENGINE).stat().st_size}
     return digests
 
@@ -179,7 +194,14 @@ def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, save_l
     """Rank 0: meta.json, then the renames that make the checkpoint visible (see [Note: crash safety])."""
     strategy, world = engine.strategy, comm.get_world_size()
     for r in range(world):
-        digests[rank_file(r, world)]["pieces"] = strategy.piece_index(r)
+        index = strategy.piece_index(r)  # in file order: each part holds the next num_pieces of it
+        for name in sorted((n for n in digests if n.startswith(f"rank_{r}_of_")), key=rank_file_order):
+            count = digests[name].pop("num_pieces")
+            digests[name]["pieces"], index = index[:count], index[count:]
+        if index:
+            raise CheckpointError(f"rank {r}'s files hold fewer pieces than its layout lists ({len(index)} left)")
+    for name in digests:
+        digests[name].pop("num_pieces", None)
     meta = {
         "format_version": FORMAT_VERSION, "tag": tag, "stage": engine.zero_optimization_stage(),
         "world_size": world, "precision": engine.config.precision, "optimizer": type(engine.optimizer).__name__,

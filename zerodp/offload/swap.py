@@ -10,7 +10,7 @@ units through `run_swap_pipeline`: read unit i+1's chunk while unit i steps on t
 optimizer, only unit i's params have a .grad) and unit i-1's chunk is written back and freed, so
 at most `buffer_count` chunks are resident. The first step creates the optimizer state; it is
 given swap space as it appears. Checkpoints and GatheredParameters edits bring chunks in through
-`resident()` / `resident_chunk(i)` (a checkpoint brings the whole rank's optimizer shard in).
+`resident_chunk(i)`, one at a time (a checkpoint writes or reads one file per chunk).
 With `offload_param.device: nvme`, each unit's owned parameter shard is a `SwapSlot` too (beyond
 the first `max_in_cpu` elements, which stay in host memory): read just before the unit's
 all-gather, freed when the gather completes, rewritten after the step.
@@ -19,6 +19,7 @@ all-gather, freed when the gather completes, rewritten after the step.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
@@ -118,24 +119,25 @@ class OptimizerSwapper:
                           buffer_count=self.buffer_count)
 
     @contextmanager
-    def resident_chunk(self, i: int) -> Iterator[None]:
-        """Chunk i in memory inside the block; written back and freed on exit."""
+    def resident_chunk(self, i: int, modify: bool = True) -> Iterator[None]:
+        """Chunk i in memory inside the block; freed on exit, and written back first if `modify`
+        (pass False only when the block neither changes nor creates state)."""
         self._read(i).wait()
         try:
             yield
         finally:
-            self._write_and_evict(i).wait()
-
-    @contextmanager
-    def resident(self) -> Iterator[None]:
-        """Every chunk in memory inside the block (a checkpoint save or load)."""
-        for i in range(len(self.chunks)):
-            self._read(i).wait()
-        try:
-            yield
-        finally:
-            for i in range(len(self.chunks)):
+            if modify:
                 self._write_and_evict(i).wait()
+            else:
+                for slot in self.slots[i].values():
+                    slot.evict()
+
+    def resident_pieces(self, pieces_of: Callable[[int], list], saving: bool) -> Iterator[tuple[list[torch.Tensor], Callable]]:
+        """Strategy.resident_pieces over the chunks: chunk i's optimizer tensors and its pieces
+        (`pieces_of(i)`) while it is in memory; written back when the next is asked for unless `saving`."""
+        for i in range(len(self.chunks)):
+            with self.resident_chunk(i, modify=not saving):
+                yield self.chunks[i][2], partial(pieces_of, i)
 
     def nvme_bytes(self) -> tuple[int, int]:
         """(master bytes, optimizer state bytes) held in the swap file."""

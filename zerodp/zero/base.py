@@ -16,10 +16,9 @@ rank), then either `step(loss_scale, max_norm)` or nothing, then `zero_grad()`.
 from __future__ import annotations
 
 import abc
-import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -133,10 +132,17 @@ class Strategy(abc.ABC):
     def close(self) -> None:
         """Release files and threads (NVMe offload); the strategy is unusable afterwards."""
 
-    def optimizer_resident(self) -> contextlib.AbstractContextManager:
-        """Masters and optimizer state are in memory inside this context (checkpoints use it;
-        NVMe offload swaps them in)."""
-        return contextlib.nullcontext()
+    def resident_pieces(self, saving: bool) -> Iterator[tuple[list[torch.Tensor], Callable[[], list[Piece]]]]:
+        """`pieces(saving)` in batches that are in memory together: (the optimizer tensors the
+        batch's pieces are views of, a function making the pieces). A load creates the tensors'
+        optimizer state before it makes the pieces. One batch here; NVMe offload yields one swap
+        chunk at a time, so a checkpoint never holds the rank's whole optimizer shard. A batch is
+        valid until the next is asked for; a load's changes are written back."""
+        yield [t for group in self.optimizer.param_groups for t in group["params"]], lambda: self.pieces(saving)
+
+    def num_piece_batches(self) -> int:
+        """How many batches `resident_pieces` yields (the same on every rank)."""
+        return 1
 
     def parameter_storages(self) -> list[torch.Tensor]:
         """Tensors whose storages hold the parameters (left out of the saved-activation count)."""

@@ -258,16 +258,16 @@ class Stage12(Strategy):
 
     def pieces(self, saving: bool) -> list[Piece]:
         """The parameter slices inside this rank's owned shards (the same to save and to load)."""
-        pieces = []
-        for g, fg in enumerate(self.groups):
-            for (lo, hi), master in zip(fg.chunks, fg.masters):
-                start = fg.owned.start + lo
-                state = {"master": master.data, **elementwise_state(self.optimizer, master)}
-                for s in fg.layout.slices_in(start, fg.owned.start + hi):
-                    a = s.flat_offset - start
-                    pieces.append(Piece(self.names[fg.params[s.index]], g, s.param_offset, s.numel,
-                                        {k: v[a : a + s.numel] for k, v in state.items()}))
-        return pieces
+        return [piece for i in range(len(self.chunk_list)) for piece in self._chunk_pieces(i)]
+
+    def _chunk_pieces(self, i: int) -> list[Piece]:
+        fg, k = self.chunk_list[i]
+        lo, hi = fg.chunks[k]
+        start = fg.owned.start + lo
+        state = {"master": fg.masters[k].data, **elementwise_state(self.optimizer, fg.masters[k])}
+        return [Piece(self.names[fg.params[s.index]], self.groups.index(fg), s.param_offset, s.numel,
+                      {key: v[s.flat_offset - start : s.flat_offset - start + s.numel] for key, v in state.items()})
+                for s in fg.layout.slices_in(start, fg.owned.start + hi)]
 
     def piece_index(self, rank: int) -> list[tuple[str, int, int]]:
         out = []
@@ -277,16 +277,21 @@ class Stage12(Strategy):
                     for lo, hi in fg.chunks for s in fg.layout.slices_in(start + lo, start + hi)]
         return out
 
+    def resident_pieces(self, saving: bool):
+        if self.swapper is None:
+            return super().resident_pieces(saving)
+        return self.swapper.resident_pieces(self._chunk_pieces, saving)
+
+    def num_piece_batches(self) -> int:
+        return 1 if self.swapper is None else len(self.chunk_list)
+
     @torch.no_grad()
     def after_load(self) -> None:
-        for fg in self.groups:
-            for k in range(len(fg.chunks)):
+        for i, (fg, k) in enumerate(self.chunk_list):
+            with self.swapper.resident_chunk(i, modify=False) if self.swapper is not None else contextlib.nullcontext():
                 fg.write_master(k)
+        for fg in self.groups:
             fg.all_gather(self.num_ranks)
-
-    def optimizer_resident(self):
-        """Checkpoints read and write masters and optimizer state inside this context."""
-        return self.swapper.resident() if self.swapper is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         if self.optim_store is not None:

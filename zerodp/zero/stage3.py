@@ -44,7 +44,6 @@ that changes the sequence of collectives waits in a collective until the timeout
 
 from __future__ import annotations
 
-import contextlib
 from functools import partial
 
 import torch
@@ -168,12 +167,10 @@ class Stage3(Strategy):
 
     def _optimizer_groups(self, param_groups: list[dict]) -> list[dict]:
         tensors: list[list[torch.Tensor]] = [[] for _ in param_groups]
-        self.optim_pieces: list[tuple[Unit, int, int, torch.Tensor]] = []
         self.optim_pieces_of: dict[Unit, list] = {}
         for unit in self.units:
             for (g, lo, hi), view in zip(unit.pieces, unit.piece_views):
                 tensors[g].append(view)
-                self.optim_pieces.append((unit, lo, hi, view))
                 self.optim_pieces_of.setdefault(unit, []).append((unit, lo, hi, view))
         return [{**g, "params": ts} for g, ts in zip(param_groups, tensors)]
 
@@ -383,6 +380,26 @@ class Stage3(Strategy):
             ahead += unit.numel
             live += unit.numel
         self._note_live()
+        if self.param_store is not None:
+            self._read_ahead(phase)
+
+    def _read_ahead(self, phase: str) -> None:
+        """NVMe parameter offload: read the swapped shards of the next units before their gathers,
+        at most offload_param.buffer_count units and buffer_count x buffer_size elements at once
+        (DeepSpeed's parameter buffer pool), so the disk works while several units compute."""
+        section = self.config.zero_optimization.offload_param
+        count_left = int(section.buffer_count) - sum(u.reading_ahead for u in self.units)
+        numel_left = int(section.buffer_count) * int(section.buffer_size) - sum(
+            u.swapped_numel for u in self.units if u.reading_ahead)
+        for index in self.trace.upcoming(phase):
+            unit = self.units[index]
+            if unit.state is not UnitState.SHARDED or unit.reading_ahead or not unit.swapped_numel:
+                continue
+            if count_left < 1 or unit.swapped_numel > numel_left:
+                break
+            unit.read_ahead()
+            count_left -= 1
+            numel_left -= unit.swapped_numel
 
     def _note_live(self) -> None:
         live = sum(u.held_full_bytes() for u in self.units)
@@ -481,9 +498,12 @@ class Stage3(Strategy):
     # --- checkpoints -------------------------------------------------------------------------------------
 
     def pieces(self, saving: bool) -> list[Piece]:
+        return [piece for unit in self._trainable() for piece in self._unit_pieces(unit)]
+
+    def _unit_pieces(self, unit: Unit) -> list[Piece]:
         out = []
-        for unit, lo, hi, view in self.optim_pieces:
-            f, start = unit.trainable, unit.trainable.owned.start
+        f, start = unit.trainable, unit.trainable.owned.start
+        for _, lo, hi, view in self.optim_pieces_of.get(unit, []):
             state = {"master": view.data, **elementwise_state(self.optimizer, view)}
             for s in f.layout.slices_in(start + lo, start + hi):
                 a = s.flat_offset - start - lo
@@ -491,22 +511,31 @@ class Stage3(Strategy):
                                  s.numel, {k: v[a : a + s.numel] for k, v in state.items()}))
         return out
 
+    def resident_pieces(self, saving: bool):
+        if self.swapper is None:
+            return super().resident_pieces(saving)
+        return self.swapper.resident_pieces(lambda i: self._unit_pieces(self.swapper_units[i]), saving)
+
+    def num_piece_batches(self) -> int:
+        return 1 if self.swapper is None else len(self.swapper_units)
+
     def piece_index(self, rank: int) -> list[tuple[str, int, int]]:
         return [(self.names[u.trainable.params[s.index]], s.param_offset, s.numel) for u in self._trainable()
                 for s in u.trainable.layout.slices_in(*u.trainable.layout.owned_range(rank))]
 
     def after_load(self) -> None:
-        self._publish(self._trainable())
+        if self.swapper is None:
+            self._publish(self._trainable())
+            return
+        for i, unit in enumerate(self.swapper_units):
+            with self.swapper.resident_chunk(i, modify=False):
+                self._publish([unit])
 
     def close(self) -> None:
         for store in (self.optim_store, self.param_store):
             if store is not None:
                 store.close()
                 store.engine.close()
-
-    def optimizer_resident(self):
-        """Checkpoints read and write masters and optimizer state inside this context."""
-        return self.swapper.resident() if self.swapper is not None else contextlib.nullcontext()
 
     def error_hint(self) -> str | None:
         return ("zerodp ZeRO stage 3: parameters of modules that are not running are released (shape [0]). If the "

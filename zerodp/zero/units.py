@@ -156,7 +156,8 @@ class Unit:
         parameter offload: launch the shards' reads; the all-gathers follow in finish_gather)."""
         if self.state is not UnitState.SHARDED:
             raise AssertionError(f"rank {comm.get_rank()}: start_gather on unit {self.name} in state {self.state}")
-        self._reads = [f.slot.read() for f in self.flats if f.slot is not None]  # evicted when gathered
+        if not self._reads:  # else read ahead already
+            self._reads = [f.slot.read() for f in self.flats if f.slot is not None]  # evicted when gathered
         self._works = [] if self._reads else self._launch_all_gathers()
         self.state = UnitState.GATHERING
 
@@ -193,8 +194,31 @@ class Unit:
         if self.state is UnitState.GATHERING:
             self.finish_gather()
 
+    @property
+    def swapped_numel(self) -> int:
+        """Elements of this rank's shards kept in NVMe swap files (0 without parameter offload)."""
+        return sum(f.shard.numel() for f in self.flats if f.slot is not None)
+
+    @property
+    def reading_ahead(self) -> bool:
+        return self.state is UnitState.SHARDED and bool(self._reads)
+
+    def read_ahead(self) -> None:
+        """NVMe parameter offload, while SHARDED: start reading the swapped shards now, ahead of the
+        all-gather that `start_gather` will launch when they land."""
+        if self.state is UnitState.SHARDED and not self._reads:
+            self._reads = [f.slot.read() for f in self.flats if f.slot is not None]
+
     def release(self) -> None:
-        """-> SHARDED: free the full buffers (a gather in flight is waited for first)."""
+        """-> SHARDED: free the full buffers (a gather in flight is waited for first) and any
+        shards read ahead but not gathered."""
+        if self.state is UnitState.SHARDED and self._reads:
+            for read in self._reads:
+                read.wait()
+            self._reads = []
+            for f in self.flats:
+                if f.slot is not None:
+                    f.slot.evict()
         if self.keeps_full or self.state is UnitState.SHARDED:
             return
         if self.state is UnitState.GATHERING:
