@@ -72,6 +72,32 @@ def test_round_trip_odd_sizes(tmp_path, engine, direct_io, dtype):
                     assert torch.equal(out, source)
 
 
+def test_a_swapped_in_slot_is_aligned_its_views_follow_and_its_storage_does_not_grow(tmp_path, engine):
+    """offload/swap.py's [Note: aligned swap-ins]: O_DIRECT in place, views (stage 3's optimizer
+    params) see the same values, and the alignment shift does not compound over cycles."""
+    from zerodp.offload.swap import SwapSlot
+
+    store = _store(tmp_path, engine)
+    master = _pattern(12_345, torch.float32)
+    expected = master.clone()
+    views = [master[100:200], master[5000:]]
+    slot = SwapSlot(store, "unit/master", master, views)
+    slot.write().wait()
+    slot.evict()
+    sizes = set()
+    for cycle in range(4):
+        slot.read().wait()
+        assert master.data_ptr() % ALIGN_BYTES == 0 and torch.equal(master, expected)
+        assert torch.equal(views[0], expected[100:200]) and torch.equal(views[1], expected[5000:])
+        views[1].add_(1)  # an optimizer step through a view reaches the master
+        expected[5000:] += 1
+        sizes.add(master.untyped_storage().size())
+        slot.write().wait()
+        slot.evict()
+    assert len(sizes) == 1 and sizes.pop() <= master.numel() * 4 + ALIGN_BYTES
+    store.close()
+
+
 @pytest.mark.parametrize("direct_io", [True, False], ids=["odirect", "buffered"])
 def test_regions_are_aligned_and_padding_never_touches_a_neighbour(tmp_path, engine, direct_io):
     with _store(tmp_path, engine, direct_io) as store:

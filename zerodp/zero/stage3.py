@@ -187,7 +187,7 @@ class Stage3(Strategy):
                 f.slot.write().wait()
                 f.slot.evict()
         if self.optim_store is not None and unit.master is not None:
-            unit.master_slot = SwapSlot(self.optim_store, f"{unit.name}/master", unit.master)
+            unit.master_slot = SwapSlot(self.optim_store, f"{unit.name}/master", unit.master, unit.piece_views)
             unit.master_slot.write().wait()
             unit.master_slot.evict()
 
