@@ -92,26 +92,29 @@ def main() -> None:
     engine, *_ = zerodp.initialize(model=model, config=config)
     set_up = time.perf_counter() - start
     print(f"initialize (regroup into units, write masters and shards to {folder}): {set_up:.0f} s")
-    stores = [engine.strategy.optim_store, engine.strategy.param_store]
-    before = [s.counters for s in stores]
+    before = engine.swap_report()
     g = torch.Generator().manual_seed(0)
-    step_times = []
+    step_times, phases = [], []
     for step in range(args.steps):
         idx = torch.randint(0, model_cfg.vocab_size, (args.micro_batch, args.seq_len), generator=g)
         t0 = time.perf_counter()
         loss = engine(idx, torch.roll(idx, 1, dims=1))
+        t1 = time.perf_counter()
         engine.backward(loss)
+        t2 = time.perf_counter()
         engine.step()
         step_times.append(time.perf_counter() - t0)
-        print(f"step {step + 1}: loss {loss.item():.4f}, {step_times[-1]:.1f} s, peak RSS {format_bytes(_peak_rss())}")
-    after = [s.counters for s in stores]
-    read_bytes = sum(a.read_bytes - b.read_bytes for a, b in zip(after, before))
-    written = sum(a.written_bytes - b.written_bytes for a, b in zip(after, before))
+        phases.append({"forward": t1 - t0, "backward": t2 - t1, "step": step_times[-1] - (t2 - t0)})
+        print(f"step {step + 1}: loss {loss.item():.4f}, {step_times[-1]:.1f} s (forward {t1 - t0:.1f}, backward "
+              f"{t2 - t1:.1f}, optimizer step {phases[-1]['step']:.1f}), peak RSS {format_bytes(_peak_rss())}")
+    after = engine.swap_report()
+    read_bytes = _delta(after, before, "read_bytes")
+    written = _delta(after, before, "written_bytes")
     seconds = sum(step_times)
     report = engine.memory_report()
     result = {
         "params": num_params, "model_state_bytes": 16 * num_params, "ram_bytes": ram,
-        "peak_rss_bytes": _peak_rss(), "build_s": built, "initialize_s": set_up, "step_s": step_times,
+        "peak_rss_bytes": _peak_rss(), "build_s": built, "initialize_s": set_up, "step_s": step_times, "phases_s": phases,
         "read_bytes": read_bytes, "written_bytes": written,
         "read_MBps": read_bytes / seconds / 1e6, "write_MBps": written / seconds / 1e6,
         "dd_read_MBps": dd_read, "dd_write_MBps": dd_write, "held": report["held"],
@@ -125,12 +128,15 @@ def main() -> None:
     engine.destroy()
 
 
-def _busy(after, before, kind: str) -> float:
+def _delta(after: dict, before: dict, key: str) -> float:
+    """`key` of engine.swap_report() summed over the stores, between two reports."""
+    return sum(after[name][key] - before[name][key] for name in after)
+
+
+def _busy(after: dict, before: dict, kind: str) -> float:
     """MB/s while the swap files had I/O of `kind` in flight (what the disk gave when asked)."""
     num_bytes, seconds = {"read": ("read_bytes", "read_seconds"), "write": ("written_bytes", "write_seconds")}[kind]
-    num = sum(getattr(a, num_bytes) - getattr(b, num_bytes) for a, b in zip(after, before))
-    secs = sum(getattr(a, seconds) - getattr(b, seconds) for a, b in zip(after, before))
-    return num / max(secs, 1e-9) / 1e6
+    return _delta(after, before, num_bytes) / max(_delta(after, before, seconds), 1e-9) / 1e6
 
 
 def _peak_rss() -> int:

@@ -30,7 +30,7 @@ def _train(rank: int, world: int, stage: int, offload: dict, precision: dict, ga
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-    result = losses, engine.module.state_dict(), engine.memory_report(), type(engine.optimizer).__name__
+    result = losses, engine.module.state_dict(), engine.memory_report(), type(engine.optimizer).__name__, engine.swap_report()
     engine.destroy()
     return result
 
@@ -71,7 +71,7 @@ def test_the_ledger_moves_optimizer_state_and_params_off_the_device_exactly(stag
 
 
 def _fp32_master_is_separate(rank: int, world: int):
-    losses, _, memory, optimizer = _train(rank, world, 2, CPU, {}, gas=1)
+    losses, _, memory, optimizer, _ = _train(rank, world, 2, CPU, {}, gas=1)
     return memory["held"], optimizer
 
 
@@ -99,7 +99,7 @@ def _nvme_pair(rank: int, world: int, precision: dict, path: str, params: bool =
     cpu = _train(rank, world, stage, CPU_PARAMS if params else CPU, precision, gas)
     nvme = _train(rank, world, stage, _nvme(path, params, **(zero or {})), precision, gas)
     same_params = rank != 0 or all(torch.equal(cpu[1][n], nvme[1][n]) for n in cpu[1])
-    return cpu[0] == nvme[0], same_params, cpu[2], nvme[2]
+    return cpu[0] == nvme[0], same_params, cpu[2], nvme[2], nvme[4]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -108,8 +108,13 @@ def test_nvme_optimizer_offload_is_bitwise_cpu_offload_and_leaves_nothing_behind
     """Masters and Adam state swapped per chunk (stage 3: per unit) through files: the same numbers
     as CPU offload; the ledger puts exactly their bytes in the nvme tier; the swap folder is gone
     after the run."""
-    for same_losses, same_params, cpu, nvme in run_ranks(_nvme_pair, 2, args=(precision, str(tmp_path), False, stage)):
+    for same_losses, same_params, cpu, nvme, swapped in run_ranks(_nvme_pair, 2, args=(precision, str(tmp_path), False, stage)):
         assert same_losses and same_params
+        # set-up writes the masters (M); each of the 4 steps reads the masters and, once it exists,
+        # the Adam state (S), and writes both back: exact bytes, from the I/O engine's counters
+        m, s = nvme["held"]["param32_master"]["nvme"], nvme["held"]["optim_state"]["nvme"]
+        assert swapped["optimizer"]["written_bytes"] == m + 4 * (m + s)
+        assert swapped["optimizer"]["read_bytes"] == m + 3 * (m + s)
         assert nvme["held"]["param32_master"]["nvme"] == cpu["held"]["param32_master"]["cpu"]
         assert "cpu" not in nvme["held"]["param32_master"]  # (fp32: the device shards count as params)
         # Adam's exp_avg and exp_avg_sq in the swap file (twice the master), its 0-dim `step`
@@ -127,7 +132,7 @@ def test_nvme_parameter_offload_is_bitwise_and_puts_the_shards_beyond_max_in_cpu
     ahead of their gathers (stage3.py's _read_ahead; gas=1 runs the same units every pass, so the
     recorded order holds); both paths give the same numbers."""
     zero = {"stage3_prefetch_bucket_size": prefetch}
-    for same_losses, same_params, cpu, nvme in run_ranks(_nvme_pair, 2, args=({"bf16": {"enabled": True}},
+    for same_losses, same_params, cpu, nvme, _ in run_ranks(_nvme_pair, 2, args=({"bf16": {"enabled": True}},
                                                                              str(tmp_path), True, 3, zero, gas)):
         assert same_losses and same_params
         params = nvme["held"]["param16"]

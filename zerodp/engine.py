@@ -370,6 +370,18 @@ class Engine(nn.Module):
         activations = {("device" if tier == device else tier): b for tier, b in self.saved_activations_peak.items()}
         return {**self.strategy.ledger().report(), "activations": activations}
 
+    def swap_report(self) -> dict:
+        """NVMe offload, per swap store ("optimizer", "parameters"): bytes read and written since
+        start-up, the seconds with reads / writes in flight, and the MB/s achieved while in flight.
+        Compare with the disk's own bandwidth (docs/offload.md); {} without NVMe offload."""
+        report = {}
+        for name, store in self.strategy.swap_stores().items():
+            stats = store.counters
+            report[name] = {"read_bytes": stats.read_bytes, "written_bytes": stats.written_bytes,
+                            "read_seconds": stats.read_seconds, "write_seconds": stats.write_seconds,
+                            "read_MBps": stats.read_MBps, "write_MBps": stats.write_MBps}
+        return report
+
     def comm_report(self) -> dict:
         """Collectives per op and dtype, in elements and bytes: of the last optimizer step, of
         start-up, and one-off work between steps (stage 0's layout rebuild after step 1)."""

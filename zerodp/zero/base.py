@@ -140,6 +140,10 @@ class Strategy(abc.ABC):
         valid until the next is asked for; a load's changes are written back."""
         yield [t for group in self.optimizer.param_groups for t in group["params"]], lambda: self.pieces(saving)
 
+    def swap_stores(self) -> dict:
+        """NVMe offload's swap stores by what they hold ("optimizer", "parameters"); {} without."""
+        return {}
+
     def num_piece_batches(self) -> int:
         """How many batches `resident_pieces` yields (the same on every rank)."""
         return 1

@@ -285,6 +285,9 @@ class Stage12(Strategy):
     def num_piece_batches(self) -> int:
         return 1 if self.swapper is None else len(self.chunk_list)
 
+    def swap_stores(self) -> dict:
+        return {} if self.optim_store is None else {"optimizer": self.optim_store}
+
     @torch.no_grad()
     def after_load(self) -> None:
         for i, (fg, k) in enumerate(self.chunk_list):

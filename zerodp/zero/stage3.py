@@ -519,6 +519,10 @@ class Stage3(Strategy):
     def num_piece_batches(self) -> int:
         return 1 if self.swapper is None else len(self.swapper_units)
 
+    def swap_stores(self) -> dict:
+        stores = {"optimizer": self.optim_store, "parameters": self.param_store}
+        return {k: v for k, v in stores.items() if v is not None}
+
     def piece_index(self, rank: int) -> list[tuple[str, int, int]]:
         return [(self.names[u.trainable.params[s.index]], s.param_offset, s.numel) for u in self._trainable()
                 for s in u.trainable.layout.slices_in(*u.trainable.layout.owned_range(rank))]
