@@ -8,8 +8,9 @@ state (fp32 master + Adam, 12 bytes per parameter) and parameter shards (2 bytes
 under --nvme-path, gradients (2 bytes) in host memory. Reports: parameters, model-state bytes
 (16 per parameter) against this machine's RAM, peak RSS, time to build and to set up, each step's
 time, and the read / write bandwidth the swap files achieved during the steps, against the disk's
-sequential bandwidth measured with `dd` (O_DIRECT, 1 MiB blocks) in the same run. JSON results go
-to bench/results/infinity.json.
+sequential bandwidth measured with `dd` (O_DIRECT, 1 MiB blocks) in the same run, and the share of
+the step time the disk would need for the bytes moved at dd's rates. JSON results go to
+bench/results/infinity.json.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def main() -> None:
         "read_MBps": read_bytes / seconds / 1e6, "write_MBps": written / seconds / 1e6,
         "dd_read_MBps": dd_read, "dd_write_MBps": dd_write, "held": report["held"],
         "io_read_busy_MBps": _busy(after, before, "read"), "io_write_busy_MBps": _busy(after, before, "write"),
+        # the seconds the disk needs for these bytes at dd's rates, as a share of the step time
+        "disk_busy_fraction": (read_bytes / (dd_read * 1e6) + written / (dd_write * 1e6)) / seconds,
     }
     print(json.dumps({k: v for k, v in result.items() if k != "held"}, indent=1))
     print("ledger:", json.dumps(report["held"]))

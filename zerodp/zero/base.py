@@ -131,6 +131,9 @@ class Strategy(abc.ABC):
 
     def close(self) -> None:
         """Release files and threads (NVMe offload); the strategy is unusable afterwards."""
+        for store in self.swap_stores().values():
+            store.close()
+            store.engine.close()
 
     def resident_pieces(self, saving: bool) -> Iterator[tuple[list[torch.Tensor], Callable[[], list[Piece]]]]:
         """`pieces(saving)` in batches that are in memory together: (the optimizer tensors the
@@ -184,14 +187,6 @@ def sum_over_ranks_grad_stats(grads: list[torch.Tensor], device: torch.device) -
     if comm.get_world_size() > 1:
         comm.all_reduce(stats)
     return stats
-
-
-def unscaled_clipped_fp32(strategy: Strategy, grads: list[torch.Tensor], sum_sq: float, loss_scale: float,
-                          max_norm: float) -> tuple[float, list[torch.Tensor]]:
-    """The global gradient norm (before clipping) and `grads` as fp32 on the optimizer's device,
-    multiplied in place by 1/loss_scale x torch.nn.utils.clip_grad_norm_'s clip coefficient."""
-    total_norm, coef = clip_coefficient(sum_sq, loss_scale, max_norm)
-    return total_norm, [fp32_scaled(strategy, grad, coef) for grad in grads]
 
 
 def clip_coefficient(sum_sq: float, loss_scale: float, max_norm: float) -> tuple[float, float]:

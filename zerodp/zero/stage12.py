@@ -141,7 +141,8 @@ class Stage12(Strategy):
         check_elementwise(self.optimizer, self.config)
         self.swapper = None if self.optim_store is None else OptimizerSwapper(
             self.optim_store, self.optimizer,
-            [(slot.name.removesuffix("/master"), slot, [slot.tensor]) for slot in self.master_slots], section.buffer_count)
+            [(slot.name.removesuffix("/master"), slot, [slot.tensor]) for slot in self.master_slots],
+            section.buffer_count)
         self._stats: torch.Tensor | None = None
 
     def _flat_group(self, params: list[nn.Parameter]) -> FlatGroup:
@@ -242,7 +243,7 @@ class Stage12(Strategy):
         chunks = [self.chunk_list[i] for i in indices]
         for fg, k in chunks:
             lo, hi = fg.chunks[k]
-            fg.masters[k].grad = fp32_scaled(self, fg.owned_grad[lo:hi] if len(fg.chunks) > 1 else fg.owned_grad, coef)
+            fg.masters[k].grad = fp32_scaled(self, fg.owned_grad[lo:hi], coef)
         self.optimizer.step()
         for fg, k in chunks:
             fg.masters[k].grad = None
@@ -295,11 +296,6 @@ class Stage12(Strategy):
                 fg.write_master(k)
         for fg in self.groups:
             fg.all_gather(self.num_ranks)
-
-    def close(self) -> None:
-        if self.optim_store is not None:
-            self.optim_store.close()
-            self.optim_store.engine.close()
 
     # --- reports -------------------------------------------------------------------------------
 

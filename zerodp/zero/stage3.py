@@ -535,12 +535,6 @@ class Stage3(Strategy):
             with self.swapper.resident_chunk(i, modify=False):
                 self._publish([unit])
 
-    def close(self) -> None:
-        for store in (self.optim_store, self.param_store):
-            if store is not None:
-                store.close()
-                store.engine.close()
-
     def error_hint(self) -> str | None:
         return ("zerodp ZeRO stage 3: parameters of modules that are not running are released (shape [0]). If the "
                 "model uses a parameter outside the forward of the module that owns it, declare it with "
