@@ -8,9 +8,9 @@ state (fp32 master + Adam, 12 bytes per parameter) and parameter shards (2 bytes
 under --nvme-path, gradients (2 bytes) in host memory. Reports: parameters, model-state bytes
 (16 per parameter) against this machine's RAM, peak RSS, time to build and to set up, each step's
 time, and the read / write bandwidth the swap files achieved during the steps, against the disk's
-sequential bandwidth measured with `dd` (O_DIRECT, 1 MiB blocks) in the same run, and the share of
-the step time the disk would need for the bytes moved at dd's rates. JSON results go to
-bench/results/infinity.json.
+sequential bandwidth measured with `dd` (O_DIRECT, 1 MiB blocks) before and after the steps (their
+mean: this disk's speed drifts), and the share of the step time the disk would need for the bytes
+moved at dd's rates. JSON results go to bench/results/infinity.json.
 """
 
 from __future__ import annotations
@@ -112,13 +112,18 @@ def main() -> None:
     read_bytes = _delta(after, before, "read_bytes")
     written = _delta(after, before, "written_bytes")
     seconds = sum(step_times)
+    # the disk's speed drifts on this (virtual) machine: probe it again and judge against the mean
+    dd_write_after, dd_read_after = dd_bandwidth(folder, args.dd_mib)
+    print(f"dd after the steps: write {dd_write_after:,.0f} MB/s, read {dd_read_after:,.0f} MB/s")
+    dd_write, dd_read = (dd_write + dd_write_after) / 2, (dd_read + dd_read_after) / 2
     report = engine.memory_report()
     result = {
         "params": num_params, "model_state_bytes": 16 * num_params, "ram_bytes": ram,
         "peak_rss_bytes": _peak_rss(), "build_s": built, "initialize_s": set_up, "step_s": step_times, "phases_s": phases,
         "read_bytes": read_bytes, "written_bytes": written,
         "read_MBps": read_bytes / seconds / 1e6, "write_MBps": written / seconds / 1e6,
-        "dd_read_MBps": dd_read, "dd_write_MBps": dd_write, "held": report["held"],
+        "dd_read_MBps": dd_read, "dd_write_MBps": dd_write, "dd_after_MBps": [dd_read_after, dd_write_after],
+        "held": report["held"],
         "io_read_busy_MBps": _busy(after, before, "read"), "io_write_busy_MBps": _busy(after, before, "write"),
         # the seconds the disk needs for these bytes at dd's rates, as a share of the step time
         "disk_busy_fraction": (read_bytes / (dd_read * 1e6) + written / (dd_write * 1e6)) / seconds,

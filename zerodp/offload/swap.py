@@ -83,6 +83,10 @@ class SwapSlot:
     def evict(self) -> None:
         self.tensor.untyped_storage().resize_(0)
 
+    def write_then_evict(self) -> "_Handles":
+        """Start writing; the handle's wait() waits and then frees the tensor's memory."""
+        return _Handles([self.write()], then=self.evict)
+
 
 class _Handles:
     """Several I/O handles waited as one, then `then()` (evict what was written)."""

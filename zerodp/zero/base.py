@@ -26,7 +26,7 @@ from torch import nn
 from zerodp import comm
 from zerodp.memory import MemoryLedger
 from zerodp.offload.cpu import Home
-from zerodp.precision import DtypePolicy, has_inf_or_nan
+from zerodp.precision import DtypePolicy
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 """Builds the optimizer over the param groups a strategy hands it (its own tensors, the
@@ -177,10 +177,15 @@ class Strategy(abc.ABC):
 
 def sum_over_ranks_grad_stats(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """[sum of squares of all `grads`, number of ranks whose grads hold inf/nan], summed over ranks
-    in one 2-element all-reduce, so every rank takes the same decision (sharded stages)."""
+    in one 2-element all-reduce, so every rank takes the same decision (sharded stages).
+
+    An inf or nan element makes the fp32 sum of squares inf or nan, so one pass over the gradients
+    answers both (a separate isfinite pass doubled the cost: 3.5 s a step for 0.93B bf16 gradients on
+    this CPU). A sum of squares that overflows fp32 from finite values counts as an overflow too,
+    as in DeepSpeed, whose check sums the gradients."""
     if grads:
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        stats = torch.stack([torch.stack(norms).square().sum(), has_inf_or_nan(grads).to(torch.float32)])
+        sum_sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+        stats = torch.stack([sum_sq, (~torch.isfinite(sum_sq)).to(torch.float32)])
     else:
         stats = torch.zeros(2)
     stats = stats.to(device)  # offloaded grads are on the host; NCCL reduces device tensors

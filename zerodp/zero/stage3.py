@@ -67,6 +67,10 @@ from zerodp.zero.trace import UnitTrace
 from zerodp.zero.units import FlatShard, Unit, UnitState, mark_leaf_modules_from_config, plan_units
 
 
+SHARD_WRITES_IN_FLIGHT = 2
+"""NVMe parameter offload: updated shards being written back during the step at once."""
+
+
 class Stage3(Strategy):
     """ZeRO stage 3: parameters, gradients and optimizer states partitioned."""
 
@@ -94,6 +98,7 @@ class Stage3(Strategy):
         self.trace = UnitTrace()
         self._stats: torch.Tensor | None = None
         self.in_flight: list[tuple[Unit, torch.Tensor, object]] = []
+        self._shard_writes: list = []  # NVMe parameter offload: shard write-backs of the step in flight
 
     # --- set-up ------------------------------------------------------------------------------------
 
@@ -464,6 +469,7 @@ class Stage3(Strategy):
         else:  # one unit's master, optimizer state and fp32 gradient in memory at a time
             units = self.swapper_units
             self.swapper.step(lambda i: self._step_units([units[i]], coef))
+        self._finish_shard_writes()
         return total_norm
 
     def _step_units(self, units: list[Unit], coef: float) -> None:
@@ -480,13 +486,25 @@ class Stage3(Strategy):
 
     @torch.no_grad()
     def _publish(self, units: list[Unit]) -> None:
-        """Masters -> working shards; units that stay gathered all-gather the new values."""
+        """Masters -> working shards; units that stay gathered all-gather the new values. With
+        NVMe parameter offload a shard is written back in the background while the step goes on
+        (at most SHARD_WRITES_IN_FLIGHT resident); `_finish_shard_writes` waits for the rest."""
         for unit in units:
             f = unit.trainable
-            with f.shard_resident(modify=True, overwrite=True):
+            if f.slot is not None:
+                f.slot.allocate_storage()
+                Home.publish(f.shard, unit.master)
+                self._shard_writes.append(f.slot.write_then_evict())
+                while len(self._shard_writes) > SHARD_WRITES_IN_FLIGHT:
+                    self._shard_writes.pop(0).wait()
+            else:
                 Home.publish(f.shard, unit.master)
             if unit.keeps_full and self.num_ranks > 1:
                 comm.all_gather_into_tensor(f.full, f.shard)
+
+    def _finish_shard_writes(self) -> None:
+        while self._shard_writes:
+            self._shard_writes.pop(0).wait()
 
     def zero_grad(self) -> None:
         self._stats = None
@@ -530,10 +548,12 @@ class Stage3(Strategy):
     def after_load(self) -> None:
         if self.swapper is None:
             self._publish(self._trainable())
+            self._finish_shard_writes()
             return
         for i, unit in enumerate(self.swapper_units):
             with self.swapper.resident_chunk(i, modify=False):
                 self._publish([unit])
+        self._finish_shard_writes()
 
     def error_hint(self) -> str | None:
         return ("zerodp ZeRO stage 3: parameters of modules that are not running are released (shape [0]). If the "
