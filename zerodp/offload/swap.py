@@ -184,9 +184,14 @@ def swap_store(section, key: str, aio) -> SwapStore | None:
     return SwapStore(section.nvme_path, key=key, engine=AsyncFileIO.from_aio_config(aio))
 
 
-def add_swapped_optimizer(led: MemoryLedger, swapper: OptimizerSwapper, optimizer: torch.optim.Optimizer) -> None:
-    """The ledger's lines for masters and optimizer state kept in swap files: their bytes in the
-    nvme tier, the scalar state (Adam's step) in host memory."""
+def add_optimizer_state(led: MemoryLedger, optimizer: torch.optim.Optimizer, tier: str,
+                        swapper: OptimizerSwapper | None) -> None:
+    """The ledger's optimizer-state lines: its tensors in `tier`; or, kept in swap files by
+    `swapper`, the masters' and the state's bytes in the nvme tier and the scalar state (Adam's
+    step) in host memory."""
+    if swapper is None:
+        led.add(Category.OPTIM_STATE, optimizer_state_tensors(optimizer), tier)
+        return
     master_bytes, state_bytes = swapper.nvme_bytes()
     led.add_bytes(Category.PARAM32_MASTER, NVME, master_bytes)
     led.add_bytes(Category.OPTIM_STATE, NVME, state_bytes)

@@ -41,10 +41,10 @@ import torch
 from torch import nn
 
 from zerodp import comm
-from zerodp.memory import DEVICE, Category, MemoryLedger, optimizer_state_tensors
+from zerodp.memory import DEVICE, Category, MemoryLedger
 from zerodp.offload.cpu import Home
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY
-from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_swapped_optimizer, swap_store
+from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_optimizer_state, swap_store
 from zerodp.precision import first_nonfinite
 from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, fp32_scaled,
                               sum_over_ranks_grad_stats)
@@ -310,12 +310,10 @@ class Stage12(Strategy):
         for t in tensors:  # the fp32 params are their own master
             led.add(Category.PARAM32_MASTER if t.dtype == torch.float32 else Category.PARAM16, t)
         led.add(Category.GRAD, *self._grad_tensors())
-        if self.swapper is None:
+        if self.swapper is None:  # else the masters are in the swap files
             led.add(Category.PARAM32_MASTER, [m for fg in self.groups if fg.separate_master for m in fg.masters],
                     self.home.tier)
-            led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer), self.home.tier)
-        else:
-            add_swapped_optimizer(led, self.swapper, self.optimizer)
+        add_optimizer_state(led, self.optimizer, self.home.tier, self.swapper)
         led.add(Category.BUFFER, list(self.module.buffers()))
         led.transient_peak.update(self.transient_peak)
         return led

@@ -52,10 +52,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zerodp import comm
 from zerodp.log import logger
-from zerodp.memory import DEVICE, NVME, Category, MemoryLedger, optimizer_state_tensors
+from zerodp.memory import DEVICE, NVME, Category, MemoryLedger
 from zerodp.offload.cpu import Home
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY
-from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_swapped_optimizer, swap_store
+from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_optimizer_state, swap_store
 from zerodp.precision import first_nonfinite
 from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, fp32_scaled,
                               sum_over_ranks_grad_stats)
@@ -639,10 +639,7 @@ class Stage3(Strategy):
                 led.add(Category.PARAM32_MASTER, unit.master, self.home.tier)
             if unit.owned_grad is not None:
                 led.add(Category.GRAD, unit.owned_grad, self.home.tier)
-        if self.swapper is None:
-            led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer), self.home.tier)
-        else:
-            add_swapped_optimizer(led, self.swapper, self.optimizer)
+        add_optimizer_state(led, self.optimizer, self.home.tier, self.swapper)
         led.add(Category.BUFFER, list(self.module.buffers()))
         led.transient_peak.update(self.transient_peak)
         return led

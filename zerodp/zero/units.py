@@ -173,17 +173,12 @@ class Unit:
         """GATHERING -> GATHERED: wait, then make the parameters views of the full buffers."""
         if self.state is not UnitState.GATHERING:
             raise AssertionError(f"rank {comm.get_rank()}: finish_gather on unit {self.name} in state {self.state}")
-        if self._reads:
-            for read in self._reads:
-                read.wait()
-            self._reads = []
+        if self._wait_reads():
             self._works = self._launch_all_gathers()
         for work in self._works:
             work.wait()
         self._works = []
-        for f in self.flats:
-            if f.slot is not None:
-                f.slot.evict()
+        self._evict_swapped_shards()
         self.point_params_at_full()
         self.state = UnitState.GATHERED
 
@@ -209,16 +204,23 @@ class Unit:
         if self.state is UnitState.SHARDED and not self._reads:
             self._reads = [f.slot.read() for f in self.flats if f.slot is not None]
 
+    def _wait_reads(self) -> bool:
+        """Wait for the shard reads in flight (NVMe parameter offload); whether there were any."""
+        reads, self._reads = self._reads, []
+        for read in reads:
+            read.wait()
+        return bool(reads)
+
+    def _evict_swapped_shards(self) -> None:
+        for f in self.flats:
+            if f.slot is not None:
+                f.slot.evict()
+
     def release(self) -> None:
         """-> SHARDED: free the full buffers (a gather in flight is waited for first) and any
         shards read ahead but not gathered."""
-        if self.state is UnitState.SHARDED and self._reads:
-            for read in self._reads:
-                read.wait()
-            self._reads = []
-            for f in self.flats:
-                if f.slot is not None:
-                    f.slot.evict()
+        if self.state is UnitState.SHARDED and self._wait_reads():
+            self._evict_swapped_shards()
         if self.keeps_full or self.state is UnitState.SHARDED:
             return
         if self.state is UnitState.GATHERING:
