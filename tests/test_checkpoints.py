@@ -217,6 +217,19 @@ def test_damaged_checkpoints_are_named_on_every_rank(tmp_path: Path, how: str, m
         run_ranks(_load_one, 2, args=(str(tmp_path),), timeout=60)
 
 
+@pytest.mark.parametrize("to", ["safetensors", "fp32"])
+def test_a_conversion_from_a_corrupt_file_fails_by_name_and_leaves_no_partial_shard(tmp_path: Path, to: str,
+                                                                                    capsys) -> None:
+    from zerodp.cli import main
+
+    run_ranks(_save_one, 2, args=(str(tmp_path),))
+    _corrupt(tmp_path, "bit flip")  # rank 1's file: rank 0's pieces are written first
+    out = tmp_path / "out"
+    assert main(["ckpt", "convert", str(tmp_path), str(out), "--to", to, "--max-shard-size", "1KB"]) != 0
+    assert "rank_1_of_2.pt is corrupt" in capsys.readouterr().err
+    assert list(out.iterdir()) == []
+
+
 class NotPlainData:
     pass
 

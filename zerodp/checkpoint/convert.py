@@ -15,6 +15,7 @@ data), so no extra package is needed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import struct
@@ -149,17 +150,18 @@ def convert_to_safetensors(ckpt_dir: str | Path, out_dir: str | Path, tag: str |
     out.mkdir(parents=True, exist_ok=True)
     tensors = source.tensors()
     done = 0
-    for indices, file in zip(shards, names):
-        entries = [plan[i] for i in indices]
-        with open(out / f"{file}.tmp", "wb") as f:
-            f.write(_safetensors_header(entries))
-            for expected, _, _ in entries:
-                name, tensor = next(tensors)
-                _check_order(source, expected, name)
-                _write_bytes(f, tensor)
-                done += 1
-                if progress is not None:
-                    progress(done, len(plan))
+    with _removed_on_error(out, names):
+        for indices, file in zip(shards, names):
+            entries = [plan[i] for i in indices]
+            with open(out / f"{file}.tmp", "wb") as f:
+                f.write(_safetensors_header(entries))
+                for expected, _, _ in entries:
+                    name, tensor = next(tensors)
+                    _check_order(source, expected, name)
+                    _write_bytes(f, tensor)
+                    done += 1
+                    if progress is not None:
+                        progress(done, len(plan))
     weight_map = {plan[i][0]: file for indices, file in zip(shards, names) for i in indices}
     return _publish(out, names, weight_map, "model.safetensors.index.json")
 
@@ -181,21 +183,33 @@ def convert_to_torch(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None 
     out.mkdir(parents=True, exist_ok=True)
     tensors = source.tensors()
     weight_map, done = {}, 0
-    for indices, file in zip(shards, names):
-        shard: dict[str, torch.Tensor] = {}
-        for i in indices:
-            name, tensor = next(tensors)
-            _check_order(source, plan[i][0], name)
-            for key in (name, *aliases.get(name, ())):
-                shard[key] = tensor
-                weight_map[key] = file
-            done += 1
-            if progress is not None:
-                progress(done, len(plan))
-        with open(out / f"{file}.tmp", "wb") as f:
-            torch.save(shard, f)
-        del shard
+    with _removed_on_error(out, names):
+        for indices, file in zip(shards, names):
+            shard: dict[str, torch.Tensor] = {}
+            for i in indices:
+                name, tensor = next(tensors)
+                _check_order(source, plan[i][0], name)
+                for key in (name, *aliases.get(name, ())):
+                    shard[key] = tensor
+                    weight_map[key] = file
+                done += 1
+                if progress is not None:
+                    progress(done, len(plan))
+            with open(out / f"{file}.tmp", "wb") as f:
+                torch.save(shard, f)
+            del shard
     return _publish(out, names, weight_map, "pytorch_model.bin.index.json")
+
+
+@contextlib.contextmanager
+def _removed_on_error(out: Path, names: list[str]) -> Iterator[None]:
+    """A conversion that fails (a corrupt rank file, a full disk) leaves no partial shard behind."""
+    try:
+        yield
+    except BaseException:
+        for name in names:
+            (out / f"{name}.tmp").unlink(missing_ok=True)
+        raise
 
 
 def _check_order(source: _Source, expected: str, name: str) -> None:
