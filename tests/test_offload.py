@@ -196,6 +196,25 @@ def test_nvme_preflight_errors_name_the_key_before_any_rank_communicates(nvme_pa
         run_ranks(_preflight, 2, args=({"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}},), timeout=60)
 
 
+def test_nvme_preflight_at_stage_2_refuses_swap_chunks_that_do_not_fit_in_host_memory(tmp_path, monkeypatch) -> None:
+    """With DeepSpeed's sub_group_size default (1e9 elements), buffer_count chunks of 12 bytes per
+    element would be 48 GB of host memory: say so before training, with the fix."""
+    from zerodp.config import load_config
+    from zerodp.offload import cpu
+
+    monkeypatch.setattr("zerodp.offload.nvme.mem_available_bytes", lambda path="/proc/meminfo": 10_000_000)
+    zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4},
+            "sub_group_size": 1_000_000}
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, world_size=2)
+    with pytest.raises(ValueError, match=r"4 swap chunks \(buffer_count\) of 1,000,000 elements \(zero_optimization"
+                                         r"\.sub_group_size\) for 1 rank\(s\) needs 45\.8 MiB .* lower "
+                                         r"zero_optimization\.sub_group_size"):
+        cpu.preflight_offload(config, 8_000_000)  # 4M owned elements per rank: 4 chunks of 1M in memory
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {**zero, "sub_group_size": 100_000}},
+                         world_size=2)
+    cpu.preflight_offload(config, 8_000_000)  # 4 chunks of 100K in memory: 4.8 MB fits
+
+
 def test_nvme_preflight_refuses_a_disk_without_room(tmp_path, monkeypatch) -> None:
     from zerodp.config import load_config
     from zerodp.offload import cpu

@@ -78,7 +78,8 @@ def preflight_offload(config, trainable_numel: int) -> None:
     """Before any rank communicates, for every rank of this machine: the NVMe folders exist, are
     writable and have room for the parameter shards (at most 4 bytes per owned element) and the
     fp32 masters + Adam state (12); host memory can hold what CPU offload puts there (master, Adam
-    state and gradient shard, 16). ValueError with the numbers otherwise."""
+    state and gradient shard, 16), and, for NVMe at stages 1-2, the `buffer_count` swap chunks of
+    `sub_group_size` elements in memory at once (12 bytes each). ValueError with the numbers otherwise."""
     zero = config.zero_optimization
     owned = -(-trainable_numel // config.batch.world_size)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks of this machine share its disk and memory
@@ -90,6 +91,13 @@ def preflight_offload(config, trainable_numel: int) -> None:
         return
     if section.device == "nvme":
         check_nvme_path(section.nvme_path, 12 * owned * local, key=OPTIMIZER_NVME_PATH_KEY)
+        if zero.stage in (1, 2):  # the swap chunks in memory at once (stage 3's are its units)
+            chunk = min(int(zero.sub_group_size), owned)
+            resident = min(max(1, int(section.buffer_count)), -(-owned // chunk))
+            check_host_memory(12 * chunk * resident * local,
+                              what=f"offload_optimizer (device nvme): {resident} swap chunks (buffer_count) of "
+                                   f"{chunk:,} elements (zero_optimization.sub_group_size) for {local} rank(s)",
+                              fix="lower zero_optimization.sub_group_size (e.g. 1e8) or offload_optimizer.buffer_count")
     else:
         check_host_memory(16 * owned * local, what=f"offload_optimizer (device cpu) for {local} rank(s) on this machine",
                           fix="offload to NVMe (device nvme, stage 3), use more machines, or train in fewer bytes")
