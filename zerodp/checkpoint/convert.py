@@ -29,6 +29,7 @@ from zerodp.checkpoint.format import (ENGINE, LATEST, META, CheckpointError, che
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                        torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL", torch.int8: "I8"}
+Entry = tuple[str, list[int], torch.dtype]  # a tensor of an export: name, shape, dtype
 
 
 def resolve_tag_dir(ckpt_dir: str | Path, tag: str | None = None) -> Path:
@@ -92,7 +93,7 @@ class _Source:
         self.extra = verified_load(self.tag_dir, ENGINE, self.meta, mmap=True)["module_extra"]  # not read yet
         self.tied = self.meta.get("tied", {})
 
-    def plan(self) -> list[tuple[str, list[int], torch.dtype]]:
+    def plan(self) -> list[Entry]:
         """(name, shape, dtype) of every tensor `tensors()` yields, in its order; tied aliases excluded."""
         trainable = self.dtype or torch.float32
         return ([(n, self.meta["params"][n]["shape"], trainable) for n in assembly_order(self.meta)]
@@ -119,7 +120,7 @@ def load_state_dict_from_checkpoint(ckpt_dir: str | Path, tag: str | None = None
     return state
 
 
-def _shards(plan: list[tuple[str, list[int], torch.dtype]], max_shard_bytes: int) -> list[list[int]]:
+def _shards(plan: list[Entry], max_shard_bytes: int) -> list[list[int]]:
     """Indices into `plan` per output shard: consecutive, at most `max_shard_bytes` each (a larger
     tensor gets a shard of its own)."""
     shards: list[list[int]] = [[]]
@@ -142,27 +143,15 @@ def convert_to_safetensors(ckpt_dir: str | Path, out_dir: str | Path, tag: str |
     Tied parameters are written once, under their first name (as `save_pretrained` does). Each
     tensor is written as soon as it is assembled (headers are laid out from the metadata first), so
     memory stays near the largest tensor. `progress(done, total)` counts tensors written."""
-    source = _Source(ckpt_dir, tag, dtype)
-    plan = source.plan()
-    shards = _shards(plan, max_shard_bytes)
-    names = _shard_names("model", "safetensors", len(shards))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = source.tensors()
-    done = 0
+    out, names, shards, _ = _start(ckpt_dir, out_dir, tag, dtype, max_shard_bytes, "model", "safetensors", progress)
+    weight_map = {}
     with _removed_on_error(out, names):
-        for indices, file in zip(shards, names):
-            entries = [plan[i] for i in indices]
+        for file, (entries, tensors) in zip(names, shards):
             with open(out / f"{file}.tmp", "wb") as f:
                 f.write(_safetensors_header(entries))
-                for expected, _, _ in entries:
-                    name, tensor = next(tensors)
-                    _check_order(source, expected, name)
+                for name, tensor in tensors:
                     _write_bytes(f, tensor)
-                    done += 1
-                    if progress is not None:
-                        progress(done, len(plan))
-    weight_map = {plan[i][0]: file for indices, file in zip(shards, names) for i in indices}
+                    weight_map[name] = file
     return _publish(out, names, weight_map, "model.safetensors.index.json")
 
 
@@ -172,33 +161,52 @@ def convert_to_torch(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None 
     """Write `pytorch_model.bin`, or `pytorch_model-0000i-of-0000n.bin` shards of at most
     `max_shard_bytes` plus `pytorch_model.bin.index.json` (the layout `from_pretrained` reads).
     Tied names are kept, sharing one tensor in the same shard. Memory: one shard."""
-    source = _Source(ckpt_dir, tag, dtype)
-    plan = source.plan()
-    shards = _shards(plan, max_shard_bytes)
-    names = _shard_names("pytorch_model", "bin", len(shards))
+    out, names, shards, tied = _start(ckpt_dir, out_dir, tag, dtype, max_shard_bytes, "pytorch_model", "bin", progress)
     aliases: dict[str, list[str]] = {}
-    for alias, name in source.tied.items():
+    for alias, name in tied.items():
         aliases.setdefault(name, []).append(alias)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = source.tensors()
-    weight_map, done = {}, 0
+    weight_map = {}
     with _removed_on_error(out, names):
-        for indices, file in zip(shards, names):
-            shard: dict[str, torch.Tensor] = {}
-            for i in indices:
-                name, tensor = next(tensors)
-                _check_order(source, plan[i][0], name)
+        for file, (_, tensors) in zip(names, shards):
+            shard = {}
+            for name, tensor in tensors:
                 for key in (name, *aliases.get(name, ())):
                     shard[key] = tensor
                     weight_map[key] = file
-                done += 1
-                if progress is not None:
-                    progress(done, len(plan))
             with open(out / f"{file}.tmp", "wb") as f:
                 torch.save(shard, f)
             del shard
     return _publish(out, names, weight_map, "pytorch_model.bin.index.json")
+
+
+def _start(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None, dtype: torch.dtype | None,
+           max_shard_bytes: int, stem: str, suffix: str, progress: Callable[[int, int], None] | None
+           ) -> tuple[Path, list[str], Iterator[tuple[list[Entry], Iterator[tuple[str, torch.Tensor]]]], dict]:
+    """What both exports share: the output folder (created), the shard file names, per shard its
+    planned entries and a lazy stream of its (name, tensor) in that order (checked against the
+    plan, `progress(done, total)` called as each is consumed), and the tied names {alias: name}."""
+    source = _Source(ckpt_dir, tag, dtype)
+    plan = source.plan()
+    groups = _shards(plan, max_shard_bytes)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stream = source.tensors()
+    done = 0
+
+    def shard_tensors(entries: list[Entry]) -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal done
+        for expected, _, _ in entries:
+            name, tensor = next(stream)
+            if name != expected:
+                raise CheckpointError(f"{source.tag_dir}: the rank files hold {name} where {META} puts {expected}")
+            yield name, tensor
+            done += 1
+            if progress is not None:
+                progress(done, len(plan))
+
+    entries = [[plan[i] for i in group] for group in groups]
+    shards = ((e, shard_tensors(e)) for e in entries)
+    return out, _shard_names(stem, suffix, len(groups)), shards, source.tied
 
 
 @contextlib.contextmanager
@@ -210,11 +218,6 @@ def _removed_on_error(out: Path, names: list[str]) -> Iterator[None]:
         for name in names:
             (out / f"{name}.tmp").unlink(missing_ok=True)
         raise
-
-
-def _check_order(source: _Source, expected: str, name: str) -> None:
-    if name != expected:
-        raise CheckpointError(f"{source.tag_dir}: the rank files hold {name} where {META} puts {expected}")
 
 
 def _shard_names(stem: str, suffix: str, n: int) -> list[str]:
@@ -234,7 +237,7 @@ def _publish(out: Path, names: list[str], weight_map: dict[str, str], index_name
     return files
 
 
-def _safetensors_header(entries: list[tuple[str, list[int], torch.dtype]]) -> bytes:
+def _safetensors_header(entries: list[Entry]) -> bytes:
     """The length-prefixed JSON header of a safetensors file holding `entries` in order."""
     header, offset = {}, 0
     for name, shape, dtype in entries:
