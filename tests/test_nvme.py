@@ -92,6 +92,7 @@ def test_a_swapped_in_slot_is_aligned_its_views_follow_and_its_storage_does_not_
         views[1].add_(1)  # an optimizer step through a view reaches the master
         expected[5000:] += 1
         sizes.add(master.untyped_storage().size())
+        slot.tensor = master  # as OptimizerSwapper._sync_slots does before every write-back
         slot.write().wait()
         slot.evict()
     assert len(sizes) == 1 and sizes.pop() <= master.numel() * 4 + ALIGN_BYTES
