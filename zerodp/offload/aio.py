@@ -24,7 +24,7 @@ Reads and writes have `intra_op_parallelism` threads each. With one FIFO pool, a
 lanes fill every thread, so the swap pipeline's read of chunk i+1 waited behind the write of
 chunk i-1 and the disk saw one direction at a time; measured on this machine's disk (sustained,
 1 GiB tensors, 4 threads): reads 1.23 GB/s, writes 2.06 GB/s, both at once 1.80 GB/s together,
-against 1.54 GB/s for the same bytes one direction after the other.
+where the same bytes one direction after the other would move at 1.54 GB/s (computed from the two).
 
 [Note: O_DIRECT]
 O_DIRECT moves bytes between the device and the buffer with no page-cache copy and without
