@@ -12,13 +12,17 @@ Launch recipe (what `zerodp run` does for you):
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
+import sys
+import time
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -96,6 +100,116 @@ def comm_report(records: dict[tuple[str, str], CommRecord]) -> dict:
         "total_numel": sum(r.numel for r in records.values()),
         "total_bytes": sum(r.bytes for r in records.values()),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# what the backend's threads still hold
+
+# [Note: leaving nothing for interpreter shutdown]
+# A collective's work object holds the tensors it was given. The backend's worker thread (gloo's
+# runLoop, NCCL's watchdog) drops its reference after the work completes, so it, not Python, may
+# release the last C++ reference to a tensor that has a Python object; that release takes the GIL.
+# If it happens after the interpreter started finalising, taking the GIL calls pthread_exit, whose
+# forced unwind meets a noexcept destructor: "terminate called without an active exception",
+# SIGABRT (torch issue #190489). Seen in a core dump: AsyncBroadcastWork::~AsyncBroadcastWork ->
+# TensorImpl::decref_pyobject -> take_gil -> PyThread_exit_thread, while the main thread was in
+# Py_FinalizeEx. The worker is that late because completing a work and dropping it are two steps,
+# and on a busy machine the thread may not run between them before the script ends.
+# So (1) every collective gets a fresh alias of its tensors, watched by a weak reference: the
+# alias's Python object dies exactly when the last holder lets go; (2) an async collective returns
+# a `Pending` that drops the work as soon as it is waited, so after `wait()` only the backend's
+# thread can hold the alias; (3) at exit `drain_pending` waits for every Pending nobody waited
+# for, then (with the GIL released) until no alias is left. A failed script waits at most a second
+# and, if a collective can never finish (its peer is gone), leaves with os._exit: interpreter
+# shutdown would otherwise join the backend's thread and wait for that collective's timeout.
+
+_handed: set[weakref.ref] = set()
+"""Weak references to the tensor aliases given to collectives whose work object still exists."""
+
+_unwaited: weakref.WeakSet = weakref.WeakSet()
+"""Async collectives (`Pending`) not waited for yet."""
+
+DRAIN_TIMEOUT_S = 30.0
+"""How long a finishing process waits for its collectives to be released (normally milliseconds)."""
+
+
+def _handed_over(tensor: torch.Tensor) -> torch.Tensor:
+    """An alias of `tensor` (same storage) to give a collective; its weak reference's callback runs
+    on whichever thread drops the work last."""
+    alias = tensor.detach()
+    _handed.add(weakref.ref(alias, _handed.discard))
+    return alias
+
+
+class Pending:
+    """An async collective: `wait()` blocks until it is done, runs `then` (e.g. copies a result into
+    place) and lets go of the backend's work objects. It may stand for several works (gloo's
+    per-owner broadcasts and reduces)."""
+
+    def __init__(self, works: list, then: Callable[[], object] | None = None) -> None:
+        self.works, self.then = works, then
+        _unwaited.add(self)
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        works, self.works = self.works, []  # see [Note: leaving nothing for interpreter shutdown]
+        for work in works:
+            work.wait()
+        if self.then is not None:
+            self.then()
+            self.then = None
+        _unwaited.discard(self)
+        return True
+
+
+def _pending(work: dist.Work | None) -> Pending | None:
+    """What an async torch collective becomes (a sync one returns None)."""
+    return None if work is None else Pending([work])
+
+
+def _finish(pending: Pending, async_op: bool) -> Pending | None:
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+def pending_collectives() -> int:
+    """Tensors given to collectives that a work object still holds (0 once everything is released)."""
+    return len(_handed)
+
+
+def drain_pending(timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
+    """Wait for every unwaited async collective, then until the backend's threads hold no tensor
+    zerodp gave them; True when nothing is left within `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    for pending in list(_unwaited):
+        while not pending.is_completed():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        pending.wait()
+    while _handed:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)  # releases the GIL, which the worker needs to release the alias
+    return True
+
+
+def _at_exit() -> None:
+    failed = getattr(sys, "last_value", None) is not None  # the top-level handler of an uncaught error sets it
+    if drain_pending(1.0 if failed else DRAIN_TIMEOUT_S):
+        return
+    logger.error("exiting with %d tensors still held by unfinished collectives (%d never waited for): "
+                 "a peer is gone, or the ranks issued different collectives", len(_handed), len(_unwaited))
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(1)
+
+
+atexit.register(_at_exit)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,10 +310,10 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
-) -> dist.Work | None:
+) -> Pending | None:
     """In-place all-reduce of `tensor` over `group`."""
     ledger.record("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _pending(dist.all_reduce(_handed_over(tensor), op=op, group=group, async_op=async_op))
 
 
 def reduce(
@@ -207,16 +321,16 @@ def reduce(
     dst: int,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
-) -> dist.Work | None:
+) -> Pending | None:
     """Sum `tensor` over ranks into global rank `dst`'s copy (one owner's piece of a reduce-scatter)."""
     ledger.record("reduce", tensor)
-    return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
+    return _pending(dist.reduce(_handed_over(tensor), dst=dst, group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
     """In-place broadcast of `tensor` from global rank `src`."""
     ledger.record("broadcast", tensor)
-    dist.broadcast(tensor, src=src, group=group)
+    dist.broadcast(_handed_over(tensor), src=src, group=group)
 
 
 def all_gather_into_tensor(
@@ -224,20 +338,21 @@ def all_gather_into_tensor(
     input: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
-) -> dist.Work | None:
+) -> Pending | None:
     """Gather every rank's `input` into `output` (rank-major, world x input.numel()). `input` may
     be this rank's chunk of `output` (in place, as NCCL allows).
 
     On gloo, one broadcast per rank (see [Note: gloo collectives])."""
     ledger.record("all_gather", output)
     if not _is_gloo(group):
-        return _all_gather_single(output, input, group=group, async_op=async_op)
+        return _pending(_all_gather_single(_handed_over(output), _handed_over(input), group=group, async_op=async_op))
     chunks = output.view(-1).chunk(get_world_size(group))
     mine = chunks[get_rank(group)]
     if mine.data_ptr() != input.data_ptr():  # in place when `input` is already this rank's chunk
         mine.copy_(input.view(-1))
-    works = [dist.broadcast(chunk, src=_global(group, r), group=group, async_op=True) for r, chunk in enumerate(chunks)]
-    return _finish(_Works(works), async_op)
+    works = [dist.broadcast(_handed_over(chunk), src=_global(group, r), group=group, async_op=True)
+             for r, chunk in enumerate(chunks)]
+    return _finish(Pending(works), async_op)
 
 
 def reduce_scatter_tensor(
@@ -246,17 +361,18 @@ def reduce_scatter_tensor(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
-) -> dist.Work | None:
+) -> Pending | None:
     """Reduce `input` over ranks and keep this rank's slice in `output`.
 
     On gloo, one reduce per owner (see [Note: gloo collectives]); `input` is scratch afterwards."""
     ledger.record("reduce_scatter", input)
     if not _is_gloo(group):
-        return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        return _pending(_reduce_scatter_single(_handed_over(output), _handed_over(input), op=op, group=group, async_op=async_op))
     chunks = input.view(-1).chunk(get_world_size(group))
-    works = [dist.reduce(chunk, dst=_global(group, r), op=op, group=group, async_op=True) for r, chunk in enumerate(chunks)]
+    works = [dist.reduce(_handed_over(chunk), dst=_global(group, r), op=op, group=group, async_op=True)
+             for r, chunk in enumerate(chunks)]
     mine = chunks[get_rank(group)]
-    return _finish(_Works(works, then=lambda: output.view(-1).copy_(mine)), async_op)
+    return _finish(Pending(works, then=lambda: output.view(-1).copy_(mine)), async_op)
 
 
 # [Note: gloo collectives]
@@ -265,28 +381,6 @@ def reduce_scatter_tensor(
 # reduce_scatter 154 / 283 ms vs per-owner reduces 119 / 114 ms, all_gather 124 / 301 ms vs
 # broadcasts 49 / 60 ms (all_reduce: 98 / 140 ms). Each rank moves the same bytes either way, so the
 # ledger records them under the collective they implement. NCCL gets its native collectives.
-
-
-class _Works:
-    """Several async works that complete as one, then run `then` (e.g. copy a result into place)."""
-
-    def __init__(self, works: list, then=None) -> None:
-        self.works, self.then = works, then
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        for work in self.works:
-            work.wait()
-        if self.then is not None:
-            self.then()
-            self.then = None
-        return True
-
-
-def _finish(works: _Works, async_op: bool) -> _Works | None:
-    if async_op:
-        return works
-    works.wait()
-    return None
 
 
 def _is_gloo(group: dist.ProcessGroup | None) -> bool:
@@ -318,3 +412,14 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Block until every rank in `group` reaches this point."""
     if is_initialized():
         dist.barrier(group=group)
+
+
+def barrier_naming_missing_ranks() -> None:
+    """A barrier that, on gloo, fails naming the ranks that did not arrive within the collective
+    timeout instead of waiting on them forever (torch's monitored_barrier); a plain barrier on NCCL."""
+    if get_world_size() == 1:
+        return
+    if backend() == "gloo":
+        dist.monitored_barrier(timeout=collective_timeout(), wait_all_ranks=True)
+    else:
+        barrier()

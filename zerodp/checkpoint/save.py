@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from zerodp import comm
 from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, LATEST, META, CheckpointError, check_tag, fsync_dir,
@@ -54,15 +53,10 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_s
 
 def _all_ranks_called(what: str) -> None:
     """Fail with the names of the missing ranks instead of hanging when some rank did not call."""
-    if comm.get_world_size() == 1:
-        return
-    if dist.get_backend() == "gloo":
-        try:
-            dist.monitored_barrier(timeout=comm.collective_timeout(), wait_all_ranks=True)
-        except RuntimeError as err:
-            raise RuntimeError(f"{what} must be called on every rank (as in DeepSpeed): {err}") from None
-    else:
-        comm.barrier()
+    try:
+        comm.barrier_naming_missing_ranks()
+    except RuntimeError as err:
+        raise RuntimeError(f"{what} must be called on every rank (as in DeepSpeed): {err}") from None
 
 
 def _check_tag_on_all_ranks(tag: str, policy: str) -> None:

@@ -1,0 +1,103 @@
+"""How a zerodp process ends: a finished one exits 0, a failed one exits non-zero with its own
+traceback, and neither waits long. See [Note: leaving nothing for interpreter shutdown] in comm.py.
+
+These tests start real interpreters (subprocess), because the harness's ranks leave with
+os._exit and never run interpreter shutdown, which is where the failure lives.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# The sync all-reduce is the script's last statement, so the worker thread of gloo releases the
+# tensor only after the script ends. A 30 s switch interval keeps the GIL with the main thread, so
+# the worker cannot take it (to release the tensor) before interpreter shutdown starts: without the
+# drain at exit, the release happens during finalisation and aborts (deterministically, not by a race).
+# Rank 0 also leaves an async all-reduce that nobody waits for.
+# With GO set, rank 0 raises instead, and rank 1 never joins: it waits for the file GO, which the
+# test writes only after rank 0 has exited, so a rank 0 that waits for its peer at exit never ends.
+_LATE_PEER = textwrap.dedent("""
+    import os, sys, time, torch, zerodp
+    zerodp.init_distributed()
+    rank = zerodp.comm.get_rank()
+    t = torch.ones(1 << 16)
+    print(f"rank {rank} started", flush=True)
+    sys.setswitchinterval(30)
+    if rank == 1 and os.environ.get("GO"):
+        while not os.path.exists(os.environ["GO"]):
+            time.sleep(0.05)
+    elif rank == 1:
+        time.sleep(1.0)
+        zerodp.comm.all_reduce(t)
+    else:
+        zerodp.comm.all_reduce(t, async_op=True)
+        if os.environ.get("GO"):
+            raise RuntimeError("the user's own error")
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_two_ranks(script: str, tmp_path, env: dict | None = None) -> list[subprocess.Popen]:
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    port = str(_free_port())
+    return [subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ZERODP_TIMEOUT": "60",
+                                  **(env or {})})
+            for rank in range(2)]
+
+
+def test_a_script_that_ends_right_after_a_collective_exits_0(tmp_path) -> None:
+    for rank, proc in enumerate(_start_two_ranks(_LATE_PEER, tmp_path)):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{err[-2000:]}"
+        assert f"rank {rank} started" in out and "terminate called" not in err
+
+
+def test_a_failing_script_exits_1_with_its_traceback_and_does_not_wait_for_its_peer(tmp_path) -> None:
+    go = tmp_path / "go"
+    failing, peer = _start_two_ranks(_LATE_PEER, tmp_path, env={"GO": str(go)})
+    try:
+        # Less than ZERODP_TIMEOUT: a rank 0 that waits for the collective fails the test here.
+        _, err = failing.communicate(timeout=50)
+    finally:
+        go.write_text("")
+    assert failing.returncode == 1, err[-2000:]
+    assert "RuntimeError: the user's own error" in err
+    assert "unfinished collectives" in err
+    out, err = peer.communicate(timeout=60)
+    assert peer.returncode == 0, err[-2000:]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_collectives_leave_no_tensor_with_the_backend_once_drained(stage: int) -> None:
+    from tests.harness import run_ranks
+
+    assert run_ranks(_pending_after_training, world_size=2, args=(stage,)) == [0, 0]
+
+
+def _pending_after_training(rank: int, world_size: int, stage: int) -> int:
+    import zerodp
+    from tests.models import batch, make_model
+
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zerodp.initialize(model=make_model(), config=config)
+    for step in range(2):
+        engine.backward(engine(*batch(rank, step, 0)))
+        engine.step()
+    if not zerodp.comm.drain_pending(timeout_s=30):
+        raise AssertionError(f"rank {rank}: {zerodp.comm.pending_collectives()} tensors still held")
+    return zerodp.comm.pending_collectives()
