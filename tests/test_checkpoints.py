@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -215,6 +217,92 @@ def test_damaged_checkpoints_are_named_on_every_rank(tmp_path: Path, how: str, m
     _corrupt(tmp_path, how)
     with pytest.raises(RankFailed, match=message):
         run_ranks(_load_one, 2, args=(str(tmp_path),), timeout=60)
+
+
+def _outcome(action) -> tuple[str, str]:
+    """("ok", "") or (error type, message): each rank reports, so a test sees that every rank raised."""
+    try:
+        action()
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err)
+    return "ok", ""
+
+
+def _load_outcome(rank: int, world: int, root: str):
+    return _outcome(lambda: _load_one(rank, world, root))
+
+
+def _rewrite_meta(root: Path, edit) -> None:
+    path = root / "t" / "meta.json"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+
+
+def _legacy_pickle_rng(root: Path) -> None:
+    """rng_1.pt as a pre-zip torch.save file, with meta.json's checksum updated to match."""
+    from zerodp.checkpoint.format import sha256
+
+    path = root / "t" / "rng_1.pt"
+    torch.save({"torch": torch.get_rng_state()}, path, _use_new_zipfile_serialization=False)
+    _rewrite_meta(root, lambda m: m["files"]["rng_1.pt"].update(sha256=sha256(path), bytes=path.stat().st_size))
+
+
+def _escaping_name(root: Path) -> None:
+    outside = root / "outside.pt"
+    (root / "t" / "rank_1_of_2.pt").rename(outside)
+    _rewrite_meta(root, lambda m: m["files"].__setitem__("rank_x/../../outside.pt", m["files"].pop("rank_1_of_2.pt")))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda root: (root / "t" / "rng_1.pt").write_bytes(b"damaged"), r"rng_1.pt is corrupt"),
+    (lambda root: _rewrite_meta(root, lambda m: m["files"]["rank_0_of_2.pt"].pop("sha256")),
+     r"meta.json is damaged: files\['rank_0_of_2.pt'\]: 'sha256' is None, expected 64 hex digits"),
+    (lambda root: (root / "t" / "meta.json").write_bytes(b"\xff\xfe garbage"), r"meta.json is damaged: not valid UTF-8 JSON"),
+    (lambda root: (root / "t" / "meta.json").write_text('{"format_version": 1, "files": '), r"meta.json is damaged"),
+    (_escaping_name, r"rank_x/../../outside.pt'\]: not a file name a zerodp save writes"),
+    (_legacy_pickle_rng, r"rng_1.pt is not a zerodp checkpoint file"),
+], ids=["rng file", "sha256 entry", "meta not utf-8", "meta not json", "escaping name", "legacy pickle"])
+def test_a_problem_one_rank_finds_is_raised_on_every_rank(tmp_path: Path, damage, message: str) -> None:
+    run_ranks(_save_one, 2, args=(str(tmp_path),))
+    damage(tmp_path)
+    # Less than the harness's 60 s collective timeout: a rank left waiting fails the test here.
+    outcomes = run_ranks(_load_outcome, 2, args=(str(tmp_path),), timeout=45)
+    for rank, (kind, text) in enumerate(outcomes):
+        assert kind == "CheckpointError", (rank, kind, text)
+        assert re.search(message, text), (rank, text)
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path):
+    """A 16 KiB tmpfs: torch.save of a rank file fills it, and torch raises its own RuntimeError
+    ("[enforce fail at inline_container.cc] unexpected pos"), which is not an OSError."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs (a real full disk) needs root")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def _save_with_a_full_disk(rank: int, world: int, root: str, full: str):
+    from zerodp.checkpoint import save as save_module
+
+    engine = _engine(2, model=make_model(dim=64))  # tensors of 32 KiB: the write that fills the disk is partial
+    _train(engine, rank, range(1))
+    if rank == 1:  # rank 1's shard goes to the full disk; rank 0's is written where it belongs
+        write = save_module.torch_save_synced
+        save_module.torch_save_synced = lambda obj, path: write(obj, Path(full) / path.name)
+    return _outcome(lambda: engine.save_checkpoint(root, tag="t"))
+
+
+def test_a_write_that_fails_on_one_rank_fails_the_save_on_every_rank_and_leaves_no_partial_tag(
+        tmp_path: Path, full_disk: Path) -> None:
+    root = tmp_path / "ckpt"
+    (kind0, text0), (kind1, text1) = run_ranks(_save_with_a_full_disk, 2, args=(str(root), str(full_disk)), timeout=45)
+    assert kind1 == "RuntimeError" and "unexpected pos" in text1, text1  # torch's own error, on rank 1
+    assert kind0 == "PeerFailed" and text0.startswith("rank 1 failed with RuntimeError:"), text0
+    assert list(root.iterdir()) == []  # no t.tmp, no t, no latest
 
 
 @pytest.mark.parametrize("to", ["safetensors", "fp32"])

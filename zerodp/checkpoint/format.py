@@ -28,7 +28,9 @@ import json
 import mmap as mmap_module
 import os
 import pickle
+import re
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -106,17 +108,82 @@ def fsync_dir(path: Path) -> None:
 
 
 def read_meta(tag_dir: Path) -> dict:
-    """meta.json of a checkpoint, checked for presence and format version."""
+    """meta.json of a checkpoint, checked for presence, format version and structure: every problem
+    is named with the file, so a damaged or hand-edited meta.json never surfaces as a KeyError."""
     path = tag_dir / META
     if not path.exists():
         raise CheckpointError(f"{path} is missing: {tag_dir} is not a complete zerodp checkpoint "
                               "(an interrupted save leaves TAG.tmp, never a TAG without meta.json)")
-    meta = json.loads(path.read_text())
-    version = meta.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    try:
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{path} is damaged: not valid UTF-8 JSON ({err}); restore it from the copy "
+                              "that was saved, or load an earlier tag") from None
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if isinstance(version, int) and version > FORMAT_VERSION:
         raise CheckpointError(f"{path}: format version {version} is newer than this zerodp reads "
                               f"({FORMAT_VERSION}); upgrade zerodp to load it")
+    problems = meta_problems(meta)
+    if problems:
+        raise CheckpointError(f"{path} is damaged: " + "; ".join(problems))
     return meta
+
+
+_META_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "format_version": (lambda v: _is(v, int), "an integer"),
+    "stage": (lambda v: _is(v, int) and v in range(4), "0, 1, 2 or 3"),
+    "world_size": (lambda v: _is(v, int) and v >= 1, "a positive integer"),
+    "precision": (lambda v: isinstance(v, str), "a string"),
+    "optimizer": (lambda v: isinstance(v, str), "a string"),
+    "params": (lambda v: isinstance(v, dict), "an object"),
+    "files": (lambda v: isinstance(v, dict), "an object"),
+    "tied": (lambda v: v is None or isinstance(v, dict), "an object of {alias: name}"),
+}
+_FILE_NAME = re.compile(r"(rank_\d+_of_\d+(_part_\d+)?|rng_\d+|engine)\.pt")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def meta_problems(meta: Any) -> list[str]:
+    """Everything wrong with the structure of a parsed meta.json (empty when it is well formed).
+    File names must be ones a save writes (a name like '../x.pt' would read outside the tag)."""
+    if not isinstance(meta, dict):
+        return [f"the top level is a {type(meta).__name__}, not an object"]
+    problems = [f"'{key}' is {meta.get(key)!r}, expected {what}" for key, (ok, what) in _META_KEYS.items()
+                if not ok(meta.get(key))]
+    for name, info in _items(meta.get("params")):
+        if not isinstance(info, dict) or not isinstance(info.get("shape"), list) or not all(
+                _is(d, int) and d >= 0 for d in info["shape"]):
+            problems.append(f"params['{name}'] has no valid 'shape' (a list of sizes)")
+    for name, info in _items(meta.get("files")):
+        problems += [f"files['{name}']: {p}" for p in _file_entry_problems(name, info)]
+    return problems
+
+
+def _file_entry_problems(name: str, info: Any) -> list[str]:
+    if not _FILE_NAME.fullmatch(name):
+        return ["not a file name a zerodp save writes (rank_R_of_W.pt, rng_R.pt, engine.pt); refusing to read it"]
+    if not isinstance(info, dict):
+        return [f"is {info!r}, expected an object with 'sha256' and 'bytes'"]
+    problems = []
+    if not isinstance(info.get("sha256"), str) or not _SHA256.fullmatch(info["sha256"]):
+        problems.append(f"'sha256' is {info.get('sha256')!r}, expected 64 hex digits")
+    if not _is(info.get("bytes"), int) or info["bytes"] < 0:
+        problems.append(f"'bytes' is {info.get('bytes')!r}, expected a size in bytes")
+    pieces = info.get("pieces", [])
+    if not isinstance(pieces, list) or not all(
+            isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and _is(p[1], int) and _is(p[2], int)
+            for p in pieces):
+        problems.append("'pieces' is not a list of [parameter name, offset, numel]")
+    return problems
+
+
+def _items(value: Any) -> list:
+    return list(value.items()) if isinstance(value, dict) else []
+
+
+def _is(value: Any, kind: type) -> bool:
+    """isinstance, where a bool is not an int (JSON true would pass as 1)."""
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
 
 
 def verified_load(tag_dir: Path, name: str, meta: dict, mmap: bool = False, checked: set | None = None) -> Any:
@@ -136,6 +203,9 @@ def verified_load(tag_dir: Path, name: str, meta: dict, mmap: bool = False, chec
                               "(truncated or modified after the save)")
     if checked is not None:
         checked.add(name)
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path} is not a zerodp checkpoint file: zerodp writes torch.save zip archives, "
+                              "this is another format (a legacy pickle, or not a torch file at all)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
@@ -175,18 +245,11 @@ def _libc() -> ctypes.CDLL:
 
 
 def on_every_rank(work: Callable[[], Any]) -> Any:
-    """Run `work()`; if it fails on any rank (a bad file, a full disk), every rank raises that
-    rank's error, so none is left waiting in the next collective."""
-    result, problem = None, None
+    """comm.on_every_rank for checkpoint work: a peer's CheckpointError is a CheckpointError here
+    too (callers catch bad checkpoints by that class); any other peer error is comm.PeerFailed."""
     try:
-        result = work()
-    except (CheckpointError, OSError) as err:
-        problem = err
-    message = None if problem is None else str(problem)
-    messages = comm.gather_messages(message) if comm.get_world_size() > 1 else [message]
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if failed:
-        if problem is not None and failed[0][0] == comm.get_rank():
-            raise problem
-        raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]}")
-    return result
+        return comm.on_every_rank(work)
+    except comm.PeerFailed as err:
+        if err.error_type == CheckpointError.__name__:
+            raise CheckpointError(f"rank {err.rank}: {err.message}") from None
+        raise

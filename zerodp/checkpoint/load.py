@@ -25,20 +25,12 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, load_mod
                     load_module_only: bool = False) -> tuple[str | None, dict | None]:
     """Load `load_dir/tag` (default: the tag in `load_dir/latest`) into `engine` on every rank.
     Returns (checkpoint path, client_state), or (None, None) when there is nothing to load."""
-    root = Path(load_dir)
-    if tag is None:
-        if not (root / LATEST).exists():
-            logger.warning("no checkpoint to load: %s does not exist", root / LATEST)
-            return None, None
-        tag = (root / LATEST).read_text().strip()
-    tag_dir = root / check_tag(tag)
-    if not tag_dir.exists() and (root / f"{tag}.old").exists():
-        # a save of the same tag was interrupted between its two renames (see save.py)
-        logger.warning("%s is missing; loading %s.old, the complete previous save of that tag", tag_dir, tag)
-        tag_dir = root / f"{tag}.old"
     with_optimizer = load_optimizer_states and not load_module_only
     with comm.ledger.outside_step():
-        meta, state = on_every_rank(lambda: _read_engine_state(engine, tag_dir, load_module_strict))
+        tag_dir = on_every_rank(lambda: _tag_dir(Path(load_dir), tag))
+        if tag_dir is None:
+            return None, None
+        meta, state, rng = on_every_rank(lambda: _read_engine_state(engine, tag_dir, load_module_strict))
         if with_optimizer and meta["optimizer"] != type(engine.optimizer).__name__:
             raise CheckpointError(f"{tag_dir} holds {meta['optimizer']} state but the engine's optimizer is "
                                   f"{type(engine.optimizer).__name__}; pass load_optimizer_states=False")
@@ -47,12 +39,28 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, load_mod
             _create_scalar_state(engine.optimizer, state["optimizer_scalars"])
         on_every_rank(lambda: _fill_pieces(engine, tag_dir, meta, keys))
         engine.strategy.after_load()
-        _load_rest(engine, tag_dir, meta, state, load_module_only, with_optimizer, load_lr_scheduler_states)
+        _load_rest(engine, state, rng, load_module_only, with_optimizer, load_lr_scheduler_states)
     log_rank0("loaded checkpoint %s (saved at stage %d by %d ranks)", tag_dir, meta["stage"], meta["world_size"])
     return str(tag_dir), state["client_state"]
 
 
-def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, dict]:
+def _tag_dir(root: Path, tag: str | None) -> Path | None:
+    """The directory to load: `root/tag`, or the tag named in `root/latest` (None: nothing saved)."""
+    if tag is None:
+        if not (root / LATEST).exists():
+            logger.warning("no checkpoint to load: %s does not exist", root / LATEST)
+            return None
+        tag = (root / LATEST).read_text().strip()
+    tag_dir = root / check_tag(tag)
+    if not tag_dir.exists() and (root / f"{tag}.old").exists():
+        # a save of the same tag was interrupted between its two renames (see save.py)
+        logger.warning("%s is missing; loading %s.old, the complete previous save of that tag", tag_dir, tag)
+        tag_dir = root / f"{tag}.old"
+    return tag_dir
+
+
+def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, dict, dict | None]:
+    """meta.json checked against the model, engine.pt, and this rank's RNG state (None if it has none)."""
     meta = read_meta(tag_dir)
     shapes = {n: list(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}  # stage 3: full
     trainable = _trainable_names(engine)
@@ -64,7 +72,7 @@ def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, 
         raise CheckpointError(f"{tag_dir} does not match this model: " + "; ".join(filter(None, [
             f"size differs for {wrong}" if wrong else "", f"missing {missing}" if missing else "",
             f"unexpected {unexpected}" if unexpected else ""])) + " (load_module_strict=False skips missing/unexpected)")
-    return meta, verified_load(tag_dir, ENGINE, meta)
+    return meta, verified_load(tag_dir, ENGINE, meta), _read_rng(tag_dir, meta)
 
 
 def _trainable_names(engine: Any) -> set[str]:
@@ -138,7 +146,7 @@ def _copy_overlap(saved: dict, piece: Any, with_optimizer: bool) -> int:
     return hi - lo
 
 
-def _load_rest(engine: Any, tag_dir: Path, meta: dict, state: dict, module_only: bool, with_optimizer: bool,
+def _load_rest(engine: Any, state: dict, rng: dict | None, module_only: bool, with_optimizer: bool,
                with_scheduler: bool) -> None:
     """Buffers and frozen parameters; then, unless module_only, counters, scaler, scheduler, the
     data loader's position, RNG."""
@@ -159,15 +167,19 @@ def _load_rest(engine: Any, tag_dir: Path, meta: dict, state: dict, module_only:
     sampler = getattr(engine.training_dataloader, "sampler", None)
     if state.get("dataloader") is not None and hasattr(sampler, "load_state_dict"):
         sampler.load_state_dict(state["dataloader"])
-    _restore_rng(tag_dir, meta)
+    if rng is not None:
+        _restore_rng(rng)
 
 
-def _restore_rng(tag_dir: Path, meta: dict) -> None:
+def _read_rng(tag_dir: Path, meta: dict) -> dict | None:
     rank = comm.get_rank()
     if rank >= meta["world_size"]:
         logger.info("rank %d has no saved RNG state (saved by %d ranks): keeping its own", rank, meta["world_size"])
-        return
-    rng = verified_load(tag_dir, rng_file(rank), meta)
+        return None
+    return verified_load(tag_dir, rng_file(rank), meta)
+
+
+def _restore_rng(rng: dict) -> None:
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
     if "numpy" in rng:

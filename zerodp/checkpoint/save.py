@@ -37,18 +37,23 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_s
         _all_ranks_called("save_checkpoint")
         _check_tag_on_all_ranks(tag, engine.config.checkpoint.tag_validation)
         tmp = root / f"{tag}.tmp"
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
-            tmp.mkdir(parents=True)
-        comm.barrier()
-        extra = _module_extra(engine, exclude_frozen_parameters)  # stage 3 gathers: every rank
-        files = on_every_rank(lambda: _write_files(engine, tmp, rank, world, client_state or {}, extra))
-        digests = _gather_digests(tmp, files, world)
-        if rank == 0:
-            _publish(engine, root, tag, tmp, digests, save_latest)
-        comm.barrier()
+        on_every_rank(lambda: _make_empty(tmp) if rank == 0 else None)  # its gather is the barrier
+        try:
+            extra = _module_extra(engine, exclude_frozen_parameters)  # stage 3 gathers: every rank
+            files = on_every_rank(lambda: _write_files(engine, tmp, rank, world, client_state or {}, extra))
+            digests = _gather_digests(tmp, files, world)
+            on_every_rank(lambda: _publish(engine, root, tag, tmp, digests, save_latest) if rank == 0 else None)
+        except BaseException:
+            if rank == 0:  # every rank is past its writes: each raised from the same on_every_rank
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
     log_rank0("saved checkpoint %s", root / tag)
     return True
+
+
+def _make_empty(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
+    tmp.mkdir(parents=True)
 
 
 def _all_ranks_called(what: str) -> None:
@@ -162,12 +167,7 @@ def _scalar_state(optimizer: torch.optim.Optimizer, group: dict) -> dict:
 def _gather_digests(tmp: Path, files: list[tuple[str, int]], world: int) -> dict[str, dict]:
     """Every rank's files' sha256, size and piece count, gathered to all ranks (rank 0 writes them
     to meta). A row per rank: [number of files, then per file: 4 sha256 words, bytes, pieces]."""
-    own = [(name, n) for name, n in files if name != ENGINE]  # engine.pt is rank 0's own
-    row = [len(own)]
-    for name, n in own:
-        digest = bytes.fromhex(sha256(tmp / name))
-        row += [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
-        row += [(tmp / name).stat().st_size, n]
+    row = on_every_rank(lambda: _digest_row(tmp, [(name, n) for name, n in files if name != ENGINE]))
     device = comm.device_for_backend()
     width = int(comm.all_gather_rows(torch.tensor([len(row)], dtype=torch.int64, device=device)).max())
     gathered = comm.all_gather_rows(torch.tensor(row + [0] * (width - len(row)), dtype=torch.int64, device=device))
@@ -183,6 +183,16 @@ def _gather_digests(tmp: Path, files: list[tuple[str, int]], world: int) -> dict
     if any(name == ENGINE for name, _ in files):
         digests[ENGINE] = {"sha256": sha256(tmp / ENGINE), "bytes": (tmp / ENGINE).stat().st_size}
     return digests
+
+
+def _digest_row(tmp: Path, own: list[tuple[str, int]]) -> list[int]:
+    """This rank's row for `_gather_digests` (engine.pt is rank 0's own and not in `own`)."""
+    row = [len(own)]
+    for name, n in own:
+        digest = bytes.fromhex(sha256(tmp / name))
+        row += [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+        row += [(tmp / name).stat().st_size, n]
+    return row
 
 
 def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, save_latest: bool) -> None:
