@@ -338,12 +338,16 @@ def test_sizes_accept_floats_and_become_ints() -> None:
 
 
 def test_case_insensitive_enums_are_normalised() -> None:
-    cfg = ok({"gradient_allreduce_op": "SUM", "communication_data_type": "BF16",
-              "checkpoint": {"tag_validation": "FAIL"}, "data_types": {"grad_accum_dtype": "float32"},
-              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "CPU"}}})
-    assert cfg.gradient_allreduce_op == "sum" and cfg.communication_data_type == "bf16"
+    cfg = ok({"gradient_allreduce_op": "MEAN", "checkpoint": {"tag_validation": "FAIL"},
+              "data_types": {"grad_accum_dtype": "float32"}})
+    assert cfg.gradient_allreduce_op == "mean"
     assert cfg.checkpoint.tag_validation == "Fail" and cfg.data_types.grad_accum_dtype == "fp32"
-    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+
+
+def test_offload_devices_are_lower_case_as_in_deepspeed() -> None:
+    assert one_problem({TRAIN: 1, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "CPU"}}}) == (
+        'zero_optimization.offload_optimizer.device: got "CPU"; device names are lower case, as in DeepSpeed: '
+        'did you mean "cpu"?')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,8 +462,8 @@ def test_aio_thread_count_is_the_old_name(fresh_warnings: None, caplog: pytest.L
     ("allgather_sequential", "stage3_allgather_sequential", True),
 ])
 def test_stage3_aliases(short: str, long: str, value: object) -> None:
-    for key in (short, long):
-        zero = ok({"zero_optimization": {"stage": 3, key: value}}).zero_optimization
+    for key in (short, long):  # stage 2: three of these are refused at non-default values at stage 3
+        zero = ok({"zero_optimization": {"stage": 2, key: value}}).zero_optimization
         assert getattr(zero, long) == value and getattr(zero, short) == value
     assert one_problem({TRAIN: 1, "zero_optimization": {short: value, long: value}}) == \
         f"zero_optimization.{long}: sets the same option as 'zero_optimization.{short}'; keep one"
@@ -474,14 +478,16 @@ def test_stage3_aliases(short: str, long: str, value: object) -> None:
      "fp16.enabled, bf16.enabled: both are true; enable one of them"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
      "zero_optimization.offload_param: parameter offload needs ZeRO stage 3 (zero_optimization.stage is 2)"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
-     "zero_optimization.offload_optimizer.ratio: got 0.5; partial offload (ratio < 1) needs ZeRO stage 3"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+     "zero_optimization.offload_optimizer.ratio: got 0.5; partial offload (ratio < 1) is not implemented"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
      "zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
      'zero_optimization.offload_param.nvme_path: required when device is "nvme"'),
-    ({"zero_optimization": {"stage": 3}, "gradient_allreduce_op": "sum"},
-     'gradient_allreduce_op: "sum" is not supported with ZeRO stage 3'),
+    ({"zero_optimization": {"stage": 2}, "gradient_allreduce_op": "sum"},
+     'gradient_allreduce_op: "sum" is not supported by zerodp (zerodp averages gradients'),
+    ({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 10}},
+     "zero_optimization.stage3_max_reuse_distance: 10 is not supported by zerodp (units are not kept"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 0.5}}},
      'optimizer.params.max_grad_norm: not an optimizer parameter; set the top-level "gradient_clipping": 0.5 instead'),
     ({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True, "bf16_optimizer_states": True}},
@@ -500,11 +506,10 @@ def test_cross_field_rules(config: dict, expected: str) -> None:
 
 def test_cross_field_combinations_that_are_fine() -> None:
     zero = ok({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"},
-                                     "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "ratio": 0.5}},
+                                     "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "ratio": 1}},
                "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
               ).zero_optimization
-    assert zero.offload_param.device == "nvme" and zero.offload_optimizer.ratio == 0.5
-    assert ok({"zero_optimization": {"stage": 2}, "gradient_allreduce_op": "sum"}).gradient_allreduce_op == "sum"
+    assert zero.offload_param.device == "nvme" and zero.offload_optimizer.ratio == 1
     assert ok({"zero_optimization": {"stage": 1, "offload_param": {"device": "none"}}}).zero_optimization.stage == 1
 
 
@@ -638,12 +643,6 @@ def test_scheduler_params_use_lr_schedules_registry(monkeypatch: pytest.MonkeyPa
     ok({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}})
     assert one_problem({TRAIN: 1, "scheduler": {"type": "WarmupCosineLR"}}) == \
         "scheduler.params.total_num_steps: missing; WarmupCosineLR requires it"
-
-
-def test_scheduler_names_accepted_while_lr_schedules_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "zerodp.lr_schedules", None)  # import raises ModuleNotFoundError
-    assert ok({"scheduler": {"type": "WarmupDecayLR", "params": {}}}).scheduler.type == "WarmupDecayLR"
-    assert one_problem({TRAIN: 1, "scheduler": {"type": "WarmupDecay"}}).startswith('scheduler.type: "WarmupDecay"')
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import binascii
 import copy
 import functools
 import json
+import math
 import os
 import sys
 import typing
@@ -59,6 +60,7 @@ from zerodp.config_schema import (
     ZeroConfig,
     ZeroDPConfig,
 )
+from zerodp.config_hparams import optimizer_section_problems, scheduler_section_problems
 from zerodp.config_rules import did_you_mean, semantic_problems, show_value
 from zerodp.log import log_rank0, warn_once
 
@@ -160,11 +162,18 @@ def batch_problems(train_batch_size: int | None, micro_batch_size: int | None,
     return BatchMath(tbs, micro, accum, world_size, tuple(k for k in BATCH_KEYS if k in how)), []
 
 
+MAX_BATCH = 10**9
+"""The largest batch value accepted: a billion samples per step is no real run (a token count, or a typo)."""
+
+
 def _batch_input_problems(given: dict[str, int | None], world_size: int) -> list[str]:
     problems = []
     for key, value in given.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             problems.append(f"{key}: got {show_value(value)}; expected an integer > 0")
+        elif value is not None and value > MAX_BATCH:
+            problems.append(f"{key}: got {value:,}; expected at most {MAX_BATCH:,} samples (is it a token "
+                            "count, or a typo?)")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
         problems.append(f"world_size: got {show_value(world_size)}; expected the data-parallel world size, "
                         "an integer > 0")
@@ -230,13 +239,23 @@ def consistent_choices(tbs: int, micro: int, accum: int, ws: int) -> list[tuple[
         per_rank = tbs // ws
         if per_rank % accum == 0:
             candidates.append((tbs, per_rank // accum, accum))
-        divisor = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
+        divisor = largest_divisor_at_most(per_rank, micro)
         candidates.append((tbs, divisor, per_rank // divisor))
     down = tbs // (micro * ws)
     if down >= 1:
         candidates.append((micro * down * ws, micro, down))
     unique = list(dict.fromkeys(c for c in candidates if c != (tbs, micro, accum)))
     return unique[:3]
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of `n` that is <= `limit` (>= 1): divisors come in pairs (d, n // d) with
+    d <= sqrt(n), so sqrt(n) trial divisions find it (31,623 at MAX_BATCH)."""
+    best = 1
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            best = max([best] + [x for x in (d, n // d) if x <= limit])
+    return best
 
 
 def _describe_choices(tbs: int, micro: int, accum: int, ws: int) -> str:
@@ -306,12 +325,32 @@ def _plain(value: Any, path: str, duplicates: list[str]) -> Any:
     return value
 
 
+MAX_DEPTH = 64
+"""Deepest nesting of objects and lists accepted (a DeepSpeed config has 4 levels at most)."""
+
+
+def _check_depth(value: Any, source: str) -> None:
+    """Refuse absurd nesting before anything recursive walks the config (iteratively: no RecursionError)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"nested more than {MAX_DEPTH} levels deep (objects and lists); a DeepSpeed "
+                              "config has a few levels at most: is this file a config?", source)
+        children = node.values() if isinstance(node, Mapping) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+
+
 def _parse_json(text: str, source: str) -> dict[str, Any]:
     try:
         parsed = json.loads(text, object_pairs_hook=_object_hook)
     except json.JSONDecodeError as err:
         raise ConfigError(f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}",
                           source) from None
+    except RecursionError:
+        raise ConfigError(f"nested too deeply to parse (more than {MAX_DEPTH} levels is refused); a DeepSpeed "
+                          "config has a few levels at most: is this file a config?", source) from None
+    _check_depth(parsed, source)
     if not isinstance(parsed, dict):
         raise ConfigError(f"the top level must be a JSON object, got {show_value(parsed)}", source)
     duplicates: list[str] = []
@@ -372,6 +411,7 @@ def _read_input(config: Any, args: Any) -> tuple[dict[str, Any], str, ZeroDPConf
     if isinstance(config, ZeroDPConfig):
         return _source_of(config), "(ZeroDPConfig)", config
     if isinstance(config, Mapping):
+        _check_depth(config, "(dict)")
         return copy.deepcopy(dict(config)), "(dict)", None
     if isinstance(config, str) and config.lstrip().startswith("{"):
         return _parse_json(config, "(JSON string)"), "(JSON string)", None
@@ -740,6 +780,10 @@ def load_config(config: Any = None, *, args: Any = None, world_size: int | None 
     cleaned = _clean_section(ZeroDPConfig, raw, "", report)
     cfg = _validate(cleaned, report)
     report.problems.extend(semantic_problems(cfg, report.usable))
+    if report.usable("optimizer"):
+        report.problems.extend(optimizer_section_problems(cfg))
+    if report.usable("scheduler", "optimizer"):
+        report.problems.extend(scheduler_section_problems(cfg))
     ws, ws_source, ws_problems = _resolve_world_size(world_size, previous._world_size if previous else None)
     report.problems.extend(ws_problems)
     batch = None

@@ -1,11 +1,10 @@
 """Cross-field rules of a DeepSpeed config, and the message helpers they share with
 `zerodp.config`: the checks pydantic's per-field types cannot express (fp16 with bf16, offload at
-the wrong stage, keys zerodp does not support, optimizer and scheduler names and parameters)."""
+the wrong stage, keys zerodp does not support)."""
 
 from __future__ import annotations
 
 import difflib
-import inspect
 import json
 import logging
 from collections.abc import Callable
@@ -93,9 +92,9 @@ def _offload_rules(cfg: ZeroDPConfig) -> list[str]:
     if opt is not None and opt.device != "none" and zero.stage == 0:
         problems.append(f"{where}.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3 "
                         f"({where}.stage is 0)")
-    if opt is not None and opt.ratio < 1 and zero.stage != 3:
-        problems.append(f"{where}.offload_optimizer.ratio: got {opt.ratio}; partial offload "
-                        f"(ratio < 1) needs ZeRO stage 3 ({where}.stage is {zero.stage})")
+    if opt is not None and opt.device != "none" and opt.ratio < 1:
+        problems.append(f"{where}.offload_optimizer.ratio: got {opt.ratio}; partial offload (ratio < 1) is not "
+                        "implemented in zerodp: remove the key (everything is offloaded)")
     for name, section in (("offload_param", param), ("offload_optimizer", opt)):
         if section is not None and section.device == "nvme" and not section.nvme_path:
             problems.append(f'{where}.{name}.nvme_path: required when device is "nvme" '
@@ -105,9 +104,6 @@ def _offload_rules(cfg: ZeroDPConfig) -> list[str]:
 
 def _zero_rules(cfg: ZeroDPConfig) -> list[str]:
     zero, problems = cfg.zero_optimization, []
-    if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
-        problems.append('gradient_allreduce_op: "sum" is not supported with ZeRO stage 3 '
-                        '(DeepSpeed rejects it too); use "mean" or stage 0-2')
     if not zero.compute_grad_norm and zero.stage not in (1, 2):
         problems.append(f"zero_optimization.compute_grad_norm: false is only allowed at ZeRO stage 1 "
                         f"or 2 (stage is {zero.stage})")
@@ -151,6 +147,15 @@ _SECTIONS = {  # section: (switch key, why)
 }
 
 
+# Gradient-reduction keys whose non-default values no strategy honours.
+_REDUCTION_DEFAULTS = {"gradient_allreduce_op": "mean", "prescale_gradients": False,
+                       "gradient_predivide_factor": 1.0, "communication_data_type": None}
+# Stage-3 keys zerodp accepts at DeepSpeed's default only (docs/stage3.md says why).
+_STAGE3_DEFAULTS = {"stage3_max_reuse_distance": (1_000_000_000, "units are not kept between calls"),
+                    "stage3_module_granularity_threshold": (0, "units are chosen by module (set_z3_leaf_modules)"),
+                    "stage3_use_all_reduce_for_fetch_params": (False, "parameters are fetched with all-gather")}
+
+
 def _unsupported_values(cfg: ZeroDPConfig) -> list[tuple[str, Any, Any, str]]:
     zero = cfg.zero_optimization
     opt = zero.offload_optimizer
@@ -171,6 +176,11 @@ def _unsupported_values(cfg: ZeroDPConfig) -> list[tuple[str, Any, Any, str]]:
          "no expert parallelism"),
         ("weight_quantization", cfg.weight_quantization, None, "weight quantization is an inference feature"),
     ]
+    found += [(key, getattr(cfg, key), default, "zerodp averages gradients in the accumulation dtype "
+               "(data_types.grad_accum_dtype)") for key, default in _REDUCTION_DEFAULTS.items()]
+    if zero.stage == 3:
+        found += [(f"zero_optimization.{key}", getattr(zero, key), default, why)
+                  for key, (default, why) in _STAGE3_DEFAULTS.items()]
     if opt is not None:
         found.append(("zero_optimization.offload_optimizer.super_offload", opt.super_offload, False,
                       "SuperOffload targets Grace-Hopper superchips with DeepSpeed's C++ optimizer"))
@@ -203,106 +213,6 @@ def _unsupported_rules(cfg: ZeroDPConfig) -> list[str]:
             in _unsupported_values(cfg) + _unsupported_sections(cfg)]
 
 
-# Optimizers: DeepSpeed's names for torch's optimizers, plus any torch.optim class.
-SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")
-_ADAM_EXTRA_PARAMS = ["torch_adam", "adam_w_mode", "bias_correction"]  # DeepSpeed's own Adam/AdamW keys
-_DEEPSPEED_ONLY_OPTIMIZERS = {
-    "lamb": "Lamb", "lion": "Lion", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam",
-    "onebitlamb": "OneBitLamb", "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD",
-    "muon": "Muon",
-}
-DEEPSPEED_SCHEDULER_NAMES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
-
-
-def _torch_optimizers() -> dict[str, type]:
-    import torch.optim
-
-    return {name.lower(): obj for name, obj in vars(torch.optim).items()
-            if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)
-            and obj is not torch.optim.Optimizer}
-
-
-def _torch_schedulers() -> dict[str, type]:
-    import torch.optim.lr_scheduler as module
-
-    base = getattr(module, "LRScheduler", getattr(module, "_LRScheduler", object))
-    return {name: obj for name, obj in vars(module).items()
-            if isinstance(obj, type) and not name.startswith("_") and name != "LRScheduler"
-            and (issubclass(obj, base) or name == "ReduceLROnPlateau")}
-
-
-def _deepspeed_schedulers() -> dict[str, type] | None:
-    """zerodp.lr_schedules.DEEPSPEED_SCHEDULERS, or None while that module does not exist."""
-    try:
-        from zerodp.lr_schedules import DEEPSPEED_SCHEDULERS
-    except ModuleNotFoundError as err:
-        if err.name != "zerodp.lr_schedules":
-            raise
-        return None
-    return DEEPSPEED_SCHEDULERS
-
-
-def _signature_problems(path: str, cls: type, params: dict[str, Any], skip: tuple[str, ...],
-                        extra: list[str], owner: str) -> list[str]:
-    """Unknown (with did-you-mean) and missing required keyword arguments of `cls`."""
-    signature = inspect.signature(cls)
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    accepted = [name for name, p in signature.parameters.items() if name not in skip and p.kind in kinds]
-    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-    problems = [f"{path}.{key}: not a parameter of {owner}{hint(key, accepted + extra)}"
-                for key in params if key not in accepted + extra and not open_ended]
-    problems += [f"{path}.{name}: missing; {owner} requires it"
-                 for name in accepted
-                 if signature.parameters[name].default is inspect.Parameter.empty and name not in params]
-    return problems
-
-
-def _optimizer_rules(cfg: ZeroDPConfig) -> list[str]:
-    if cfg.optimizer is None:
-        return []
-    name, classes = cfg.optimizer.type, _torch_optimizers()
-    cls = classes.get(name.lower())
-    if cls is None:
-        return [_unknown_optimizer(name, classes)]
-    extra = _ADAM_EXTRA_PARAMS if name.lower() in ("adam", "adamw") else []
-    params = {k: v for k, v in cfg.optimizer.params.items() if k != "max_grad_norm"}
-    problems = _signature_problems("optimizer.params", cls, params, ("params",), extra,
-                                   f"torch.optim.{cls.__name__}")
-    if extra and params.get("bias_correction", True) is False:
-        problems.append("optimizer.params.bias_correction: false is not supported by zerodp (torch's "
-                        "Adam and AdamW always correct bias); remove it or set true")
-    return problems
-
-
-def _unknown_optimizer(name: str, classes: dict[str, type]) -> str:
-    others = sorted(c.__name__ for c in classes.values() if c.__name__ not in SUPPORTED_OPTIMIZERS)
-    supported = (f"supported: {', '.join(SUPPORTED_OPTIMIZERS)} (case-insensitive), or any "
-                 f"torch.optim class ({', '.join(others)})")
-    if name.lower() in _DEEPSPEED_ONLY_OPTIMIZERS:
-        return (f"optimizer.type: {show_value(name)} is not supported by zerodp (DeepSpeed's "
-                f"{_DEEPSPEED_ONLY_OPTIMIZERS[name.lower()]} needs its own CUDA/C++ kernels; zerodp "
-                f"builds torch.optim optimizers); {supported}")
-    match = did_you_mean(name, [*SUPPORTED_OPTIMIZERS, *others])
-    suggestion = f" (did you mean '{match}'?)" if match else ""
-    return f"optimizer.type: {show_value(name)} is not an optimizer zerodp knows{suggestion}; {supported}"
-
-
-def _scheduler_rules(cfg: ZeroDPConfig) -> list[str]:
-    if cfg.scheduler is None:
-        return []
-    name, deepspeed, torch_classes = cfg.scheduler.type, _deepspeed_schedulers(), _torch_schedulers()
-    cls = (deepspeed or {}).get(name) or torch_classes.get(name)
-    if cls is None and deepspeed is None and name in DEEPSPEED_SCHEDULER_NAMES:
-        return []  # zerodp.lr_schedules not there yet: the name is right, params unchecked
-    if cls is None:
-        names = [*DEEPSPEED_SCHEDULER_NAMES, *sorted(torch_classes)]
-        return [f"scheduler.type: {show_value(name)} is neither a DeepSpeed scheduler "
-                f"({', '.join(DEEPSPEED_SCHEDULER_NAMES)}) nor a torch.optim.lr_scheduler class"
-                f"{hint(name, names)} (names are case-sensitive)"]
-    owner = name if deepspeed and name in deepspeed else f"torch.optim.lr_scheduler.{name}"
-    return _signature_problems("scheduler.params", cls, cfg.scheduler.params, ("optimizer",), [], owner)
-
-
 # Each rule with the key paths it reads: a rule is skipped when one of them failed validation.
 _RULES: tuple[tuple[tuple[str, ...], Callable[[ZeroDPConfig], list[str]]], ...] = (
     (("fp16.enabled", "bf16.enabled"), _one_precision),
@@ -312,19 +222,17 @@ _RULES: tuple[tuple[tuple[str, ...], Callable[[ZeroDPConfig], list[str]]], ...] 
      _master_weight_rules),
     (("zero_optimization.stage", "zero_optimization.offload_param", "zero_optimization.offload_optimizer"),
      _offload_rules),
-    (("zero_optimization.stage", "zero_optimization.compute_grad_norm", "gradient_allreduce_op"),
+    (("zero_optimization.stage", "zero_optimization.compute_grad_norm"),
      _zero_rules),
     (("optimizer.params.max_grad_norm", "log_level", "vocabulary_size"), _misc_rules),
     ((), _unsupported_rules),
-    (("optimizer.type",), _optimizer_rules),
-    (("scheduler",), _scheduler_rules),
 )
 
 
 def semantic_problems(cfg: ZeroDPConfig, usable: Callable[..., bool] = lambda *paths: True) -> list[str]:
-    """Problems no single key shows: cross-field rules, features zerodp does not implement,
-    optimizer and scheduler names and parameters. `usable(*paths)` says whether those keys
-    validated; a rule reading a key that failed is skipped (its default would mislead)."""
+    """Problems no single key shows: cross-field rules and features zerodp does not implement
+    (optimizer and scheduler parameters are `zerodp.config_hparams`'). `usable(*paths)` says whether
+    those keys validated; a rule reading a key that failed is skipped (its default would mislead)."""
     problems: list[str] = []
     for paths, rule in _RULES:
         if usable(*paths):

@@ -43,6 +43,13 @@ def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
+def _lower_case_device(value: Any) -> Any:
+    """DeepSpeed's offload device is an enum of lower-case names: "CPU" is refused there, so here."""
+    if isinstance(value, str) and value != value.lower() and value.lower() in ("none", "cpu", "nvme"):
+        raise ValueError(f"device names are lower case, as in DeepSpeed: did you mean \"{value.lower()}\"?")
+    return value
+
+
 _DTYPE_NAMES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
     "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
@@ -73,7 +80,7 @@ def _auto_or_names(value: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_whole_float_to_int)]
 DType = Annotated[Optional[Literal["fp32", "fp16", "bf16"]], BeforeValidator(_canonical_dtype)]
-Device = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_lower)]
+Device = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_lower_case_device)]
 
 
 class Section(BaseModel):
@@ -198,7 +205,7 @@ class OffloadOptimizerConfig(Section):
     pipeline_write: bool = False
     fast_init: bool = False
     # Fraction offloaded ("Twin-Flow"). DeepSpeed allows 0; zerodp asks for (0, 1]: offloading
-    # nothing is spelled by removing offload_optimizer. < 1 needs stage 3 (load_config checks).
+    # nothing is spelled by removing offload_optimizer. < 1 (partial offload) is refused by load_config.
     ratio: float = Field(1.0, gt=0, le=1)
     super_offload: bool = False
     convert_grad_on_cpu: bool = True

@@ -192,6 +192,14 @@ def one_cycle_momentum(
 # ---------------------------------------------------------------------------------------------
 
 
+class SchedulerParamsError(ValueError):
+    """Invalid scheduler arguments; `problems` holds one "scheduler.params.KEY = ..." line each."""
+
+    def __init__(self, scheduler_name: str, problems: list[str]) -> None:
+        super().__init__(f"invalid {scheduler_name} parameters:\n  " + "\n  ".join(problems))
+        self.problems = problems
+
+
 class _ParamProblems:
     """Collects invalid `scheduler.params` values so the user sees all of them in one error."""
 
@@ -204,8 +212,7 @@ class _ParamProblems:
 
     def raise_if_any(self) -> None:
         if self.messages:
-            lines = "\n  ".join(self.messages)
-            raise ValueError(f"invalid {self.scheduler_name} parameters:\n  {lines}")
+            raise SchedulerParamsError(self.scheduler_name, self.messages)
 
 
 def _is_number(value: Any) -> bool:

@@ -13,12 +13,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from zerodp.config_hparams import optimizer_class, optimizer_kwargs
 from zerodp.log import logger
 from zerodp.zero.base import OptimizerFactory
-
-# DeepSpeed's optimizer.params keys that torch's classes do not take.
-_DEEPSPEED_ONLY_ADAM_KEYS = ("adam_w_mode", "torch_adam", "bias_correction")
-
 
 def param_groups_from(
     module: nn.Module,
@@ -94,32 +91,15 @@ def _has_stepped(state: dict) -> bool:
     return float(step) > 0
 
 
-def resolve_optimizer_class(type_name: str, params: dict) -> type[torch.optim.Optimizer]:
-    """DeepSpeed's name -> torch class. "Adam" is AdamW unless params["adam_w_mode"] is false
-    (DeepSpeed's `adam_w_mode` defaults to True even for "Adam")."""
-    name = type_name.lower()
-    if name == "adam":
-        return torch.optim.AdamW if params.get("adam_w_mode", True) else torch.optim.Adam
-    for attr in dir(torch.optim):
-        cls = getattr(torch.optim, attr)
-        if attr.lower() == name and isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
-            return cls
-    raise ValueError(f"optimizer.type: unknown optimizer '{type_name}'; use Adam, AdamW, SGD, Adagrad or a torch.optim class name")
-
-
 def build_optimizer(type_name: str, params: dict, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
-    """Build torch's implementation of `type_name` over `groups`, fused where the device allows."""
-    cls = resolve_optimizer_class(type_name, params)
-    if params.get("bias_correction", True) is False:
-        raise NotImplementedError("optimizer.params.bias_correction=false: torch's Adam always corrects bias")
-    kwargs = {k: v for k, v in params.items() if k not in _DEEPSPEED_ONLY_ADAM_KEYS}
+    """Build torch's implementation of `type_name` over `groups`, fused where the device allows.
+    `params` were checked by load_config (zerodp.config_hparams)."""
+    cls = optimizer_class(type_name, params)
+    if cls is None:
+        raise ValueError(f"optimizer.type: unknown optimizer '{type_name}'; use Adam, AdamW, SGD, Adagrad or a "
+                         "torch.optim class name")
+    kwargs = optimizer_kwargs(cls, params)
     accepted = inspect.signature(cls.__init__).parameters
-    unknown = sorted(k for k in kwargs if k not in accepted)
-    if unknown:
-        valid = ", ".join(k for k in accepted if k not in ("self", "params"))
-        raise ValueError(f"optimizer.params: {cls.__name__} does not take {unknown}; it takes: {valid}")
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
     if "fused" in accepted and "foreach" not in kwargs and "fused" not in kwargs:
         kwargs["fused"] = device.type in ("cuda", "cpu")
     logger.debug("optimizer %s(%s)", cls.__name__, kwargs)
