@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -49,7 +52,7 @@ def test_demo_with_an_unbuilt_feature_is_a_message_not_a_traceback(tmp_path, cap
                              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})
     assert main(["demo", "--config", path]) == 2
     err = capsys.readouterr().err
-    assert "ratio: got 0.5; partial offload (ratio < 1) is not implemented" in err and "Traceback" not in err
+    assert "ratio: 0.5 is not supported by zerodp (partial offload (ratio < 1) is not implemented" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv,standalone", [
@@ -94,3 +97,47 @@ def test_demo_at_stage_3_shards_the_parameters() -> None:
     assert result.returncode == 0, result.stderr
     assert "ZeRO stage 3" in result.stdout and "gathered_params" in result.stdout
     assert "reduce_scatter[float32]" in result.stdout
+
+
+def test_the_lines_a_config_asks_for_reach_stderr_without_any_logging_set_up(tmp_path) -> None:
+    """steps_per_print, wall_clock_breakdown, memory_breakdown and dump_state in a plain user
+    script (no launcher, no logging.basicConfig), as DeepSpeed prints them."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch, zerodp
+        from tests.models import batch, make_model
+        config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 2, "wall_clock_breakdown": True,
+                  "memory_breakdown": True, "dump_state": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+        engine, *_ = zerodp.initialize(model=make_model(), config=config)
+        for step in range(4):
+            engine.backward(engine(*batch(0, step, 0)))
+            engine.step()
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                            cwd=str(Path(__file__).parent.parent), env={**os.environ, "PYTHONPATH": "."})
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    steps = [line for line in lines if line.startswith("[zerodp] step ")]
+    assert [s.split("|")[0].strip() for s in steps] == ["[zerodp] step      2", "[zerodp] step      4"]
+    assert all(re.match(r"\[zerodp\] step +\d+ \| loss +\S+ \| grad_norm +\S+ \| lr ", s) for s in steps), steps
+    times = [line for line in lines if line.startswith("[zerodp] time (ms): ")]
+    assert len(times) == 2 and all(re.match(r"\[zerodp\] time \(ms\): fwd \S+ \| bwd \S+ \| step \S+$", t)
+                                   for t in times), times
+    memory = [line for line in lines if line.startswith("[zerodp] memory: ")]
+    assert len(memory) == 2 and all("param32_master (device)" in m and "| model states " in m for m in memory), memory
+    assert "zerodp config, resolved (dump_state):" in result.stderr and '"steps_per_print": 2' in result.stderr
+
+
+def test_log_level_in_the_config_quiets_zerodp(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import zerodp
+        from tests.models import make_model
+        zerodp.initialize(model=make_model(), config={"train_micro_batch_size_per_gpu": 1, "log_level": "warning",
+                                                      "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        zerodp.log.log_rank0("an info line")
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                            cwd=str(Path(__file__).parent.parent), env={**os.environ, "PYTHONPATH": "."})
+    assert result.returncode == 0, result.stderr
+    assert "an info line" not in result.stderr

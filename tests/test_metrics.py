@@ -24,7 +24,7 @@ FULL = {
     "grad_norm": 1.234,
     "lr": 3e-3,
     "loss_scale": 65536.0,
-    "mem_bytes": int(12.3 * 2**20),
+    "model_state_bytes": int(12.3 * 2**20),
     "tokens_per_s": 12345.4,
     "tflops": 0.0123,
 }
@@ -46,7 +46,7 @@ class FakeClock:
 def test_format_step_full_line_is_pinned() -> None:
     assert format_step(FULL) == (
         "step  12/200 | loss 3.1416 | grad_norm  1.23 | lr 3.0e-03 | loss_scale 65536"
-        " | mem  12.3 MiB | tok/s  12,345 | TFLOPS  0.01"
+        " | model states  12.3 MiB | tok/s  12,345 | TFLOPS  0.01"
     )
     assert list(FULL) == list(STEP_METRIC_KEYS)
 
@@ -64,7 +64,7 @@ def test_format_step_other_values_are_pinned() -> None:
 
 def test_missing_and_none_fields_are_omitted_and_unknown_keys_ignored() -> None:
     assert format_step({"loss": 1.0, "grad_norm": None, "epoch": 3}) == "loss 1.0000"
-    assert format_step({"lr": 1e-3, "mem_bytes": 2048}) == "lr 1.0e-03 | mem  2.00 KiB"
+    assert format_step({"lr": 1e-3, "model_state_bytes": 2048}) == "lr 1.0e-03 | model states  2.00 KiB"
     assert format_step({}) == ""
 
 
@@ -76,7 +76,7 @@ def test_format_step_accepts_zero_dim_tensors() -> None:
 
 def test_lines_align_across_typical_values() -> None:
     other = {**FULL, "step": 3, "loss": 0.01, "grad_norm": 12.5, "lr": 1e-5,
-             "loss_scale": 1024, "mem_bytes": 900 * 2**20, "tokens_per_s": 850.0, "tflops": 12.3}
+             "loss_scale": 1024, "model_state_bytes": 900 * 2**20, "tokens_per_s": 850.0, "tflops": 12.3}
     first, second = format_step(FULL), format_step(other)
     assert len(first) == len(second)
     assert [i for i, ch in enumerate(first) if ch == "|"] == [

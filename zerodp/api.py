@@ -12,7 +12,7 @@ from torch import nn
 from zerodp import checkpointing, comm
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.engine import Engine
-from zerodp.log import log_rank0, warn_once
+from zerodp.log import log_rank0, show_on_stderr, warn_once
 from zerodp.offload.cpu import Home, preflight_offload
 from zerodp.optim import optimizer_factory, param_groups_from
 from zerodp.precision import DtypePolicy
@@ -78,7 +78,10 @@ def initialize(
         checkpointing.configure(deepspeed_config=cfg)
     engine = Engine(model, cfg, strategy, scheduler, training_data, collate_fn)
     comm.ledger.end_init()
+    show_on_stderr(cfg.log_level)
     log_rank0("zerodp: stage %d, %s, %s", cfg.zero_optimization.stage, cfg.precision, cfg.batch.describe())
+    if cfg.dump_state:
+        log_rank0("zerodp config, resolved (dump_state):\n%s", cfg.model_dump_json(indent=2, exclude_none=True))
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

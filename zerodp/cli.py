@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -28,25 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever sys.stderr is when a record is emitted (it may be swapped after set-up)."""
-
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value) -> None:
-        pass
-
-
 def _setup_logging() -> None:
-    log = logging.getLogger("zerodp")
-    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("[zerodp] %(message)s"))
-        log.addHandler(handler)
-    log.setLevel(os.environ.get("ZERODP_LOG_LEVEL", "INFO"))
+    from zerodp.log import StderrHandler, logger
+
+    if not any(isinstance(h, StderrHandler) for h in logger.handlers):
+        logger.addHandler(StderrHandler())
+    logger.setLevel(os.environ.get("ZERODP_LOG_LEVEL", "INFO"))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -277,14 +277,21 @@ class Engine(nn.Module):
         self.saved_activations_peak, self._saved_peak = self._saved_peak, {}
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0:
-            from zerodp.metrics import format_step
+            self._print_step()
 
-            log_rank0(format_step(self.last_metrics))
-            if self.config.wall_clock_breakdown:
-                times = self.timers.take()
-                if checkpointing.options.profile:
-                    times["recompute"] = checkpointing.profile.take()["recompute_s"]
-                log_rank0("time (ms): %s", " | ".join(f"{k} {v * 1e3:.1f}" for k, v in times.items()))
+    def _print_step(self) -> None:
+        """The lines steps_per_print asks for, on rank 0: the step's metrics, then with
+        wall_clock_breakdown the time per phase, with memory_breakdown the memory ledger."""
+        from zerodp.metrics import format_memory, format_step, format_times
+
+        log_rank0(format_step(self.last_metrics))
+        if self.config.wall_clock_breakdown:
+            times = self.timers.take()
+            if checkpointing.options.profile:
+                times["recompute"] = checkpointing.profile.take()["recompute_s"]
+            log_rank0(format_times(times))
+        if self.config.memory_breakdown:
+            log_rank0(format_memory(self.memory_report()))
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (the boundary step already does this)."""

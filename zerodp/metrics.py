@@ -4,7 +4,7 @@ A step's metrics are a plain dict; the engine, the demo and the benchmarks fill 
 and `format_step` renders it as one dense fixed-width line (wrapped here):
 
     step  12/200 | loss 3.1416 | grad_norm  1.23 | lr 3.0e-03 | loss_scale 65536
-        | mem  12.3 MiB | tok/s  12,345 | TFLOPS  0.01
+        | model states  12.3 MiB | tok/s  12,345 | TFLOPS  0.01
 
 Keys (all optional; a missing or None value leaves its field out, unknown keys are ignored):
 
@@ -13,7 +13,7 @@ Keys (all optional; a missing or None value leaves its field out, unknown keys a
     grad_norm           float   global gradient norm, after unscaling, before clipping
     lr                  float
     loss_scale          float   fp16 dynamic loss scale
-    mem_bytes           int     memory held, as the caller chooses to measure it
+    model_state_bytes   int     the memory ledger's model states (params, grads, masters, optimizer state)
     tokens_per_s        float   see Throughput
     tflops              float   achieved model TFLOPS, see Throughput and flops_per_token
 
@@ -37,7 +37,7 @@ STEP_METRIC_KEYS = (
     "grad_norm",
     "lr",
     "loss_scale",
-    "mem_bytes",
+    "model_state_bytes",
     "tokens_per_s",
     "tflops",
 )
@@ -69,7 +69,7 @@ def _metric_fields(m: Mapping[str, Any]) -> list[str]:
         ("grad_norm", lambda v: "grad_norm " + _fixed(v, 5, ".2f")),
         ("lr", lambda v: "lr " + _fixed(v, 7, ".1e")),
         ("loss_scale", lambda v: "loss_scale " + _loss_scale(v)),
-        ("mem_bytes", lambda v: f"mem {format_bytes(int(v)):>9}"),
+        ("model_state_bytes", lambda v: f"model states {format_bytes(int(v)):>9}"),
         ("tokens_per_s", lambda v: "tok/s " + _fixed(round(v) if math.isfinite(v) else v, 7, ",")),
         ("tflops", lambda v: "TFLOPS " + _fixed(v, 5, ".2f")),
     ]
@@ -95,6 +95,27 @@ def format_step(m: Mapping[str, Any]) -> str:
     if m.get("step") is not None:
         fields.insert(0, _step_field(int(m["step"]), m.get("total_steps")))
     return _SEPARATOR.join(fields)
+
+
+TIMER_ORDER = ("fwd", "bwd", "step", "recompute")
+"""wall_clock_breakdown's phases, in the order they are printed (others follow, sorted)."""
+
+
+def format_times(seconds: Mapping[str, float]) -> str:
+    """One line of per-phase wall-clock times in milliseconds, in TIMER_ORDER:
+    "time (ms): fwd 12.3 | bwd 30.1 | step 5.0"."""
+    names = [n for n in TIMER_ORDER if n in seconds] + sorted(n for n in seconds if n not in TIMER_ORDER)
+    return "time (ms): " + _SEPARATOR.join(f"{n} {seconds[n] * 1e3:.1f}" for n in names)
+
+
+def format_memory(report: Mapping[str, Any]) -> str:
+    """One line of an engine.memory_report(): bytes per category and tier, the model-state total
+    and the activations autograd saved at the peak of the last step."""
+    fields = [f"{category} ({tier}) {format_bytes(b)}" for category, tiers in report["held"].items()
+              for tier, b in tiers.items()]
+    fields.append(f"model states {format_bytes(report['model_states'])}")
+    fields += [f"activations ({tier}) {format_bytes(b)}" for tier, b in report.get("activations", {}).items()]
+    return "memory: " + _SEPARATOR.join(fields)
 
 
 def _scaled(n: float, base: int, units: tuple[str, ...], decimals: Callable[[float], int]) -> str:

@@ -81,7 +81,8 @@ def train(config: dict, steps: int, out: TextIO, activation_checkpointing: bool 
                 loss = engine(idx, targets)
                 engine.backward(loss)
                 engine.step()
-            metrics = dict(engine.last_metrics, total_steps=steps, mem_bytes=engine.memory_report()["model_states"])
+            metrics = dict(engine.last_metrics, total_steps=steps,
+                           model_state_bytes=engine.memory_report()["model_states"])
             metrics.update(throughput.update(metrics["step_time_s"]))
             losses.append(metrics["loss"])
             bar.update(engine.global_steps, metrics)
