@@ -197,7 +197,7 @@ def _unbuilt_feature(rank: int, world: int):
 
 
 def test_unbuilt_feature_is_a_clear_error() -> None:
-    with pytest.raises(RankFailed, match=r"ratio: got 0.3; partial offload \(ratio < 1\) is not implemented"):
+    with pytest.raises(RankFailed, match=r"ratio: 0.3 is not supported by zerodp \(partial offload"):
         run_ranks(_unbuilt_feature, 1, timeout=60)
 
 
@@ -262,6 +262,27 @@ def test_sharded_bf16_ledger_keeps_masters_and_state_for_the_owned_shard_only(st
         # design.md §3, mixed precision: stage 1 = 4Ψ + 12Ψ/N, stage 2 = 2Ψ + 14Ψ/N (+ padding, + step)
         expected = 4 * padded + 12 * shard if stage == 1 else 2 * padded + 14 * shard
         assert memory["model_states"] == expected + 4
+
+
+@pytest.mark.parametrize("bf16_states", [False, True])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_master_weights_ledger_drops_the_fp32_master_and_halves_the_state(stage: int, bf16_states: bool) -> None:
+    """bf16.bf16_master_weights_and_grads: the bf16 shard is its own master, so the fp32 master's M
+    bytes (4 per owned element) are saved; bf16_optimizer_states: Adam's two moments in bf16, another
+    M. Everything else is unchanged, byte for byte."""
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    bf16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": bf16_states}
+    plain = run_ranks(_ledgers, 4, args=({"bf16": {"enabled": True}, "zero_optimization": zero},))
+    low = run_ranks(_ledgers, 4, args=({"bf16": bf16, "zero_optimization": zero},))
+    for (before, *_), (after, _, numel, _) in zip(plain, low):
+        master = before["held"]["param32_master"]["device"]
+        assert master == 4 * _padded(numel, 4)[1] or stage == 3  # stage 3 pads per unit
+        assert "param32_master" not in after["held"]
+        saved_state = master if bf16_states else 0
+        assert after["held"]["optim_state"]["device"] == before["held"]["optim_state"]["device"] - saved_state
+        assert after["model_states"] == before["model_states"] - master - saved_state
+        for category in ("param16", "grad"):
+            assert after["held"][category] == before["held"][category]
 
 
 # --- accumulation controls (found in review) ---------------------------------------------------

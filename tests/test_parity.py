@@ -156,3 +156,69 @@ def _branchy(rank: int, world: int, stage: int, gas: int):
 def test_frozen_shared_and_rank_dependent_unused_parameters_match_ddp_bitwise(stage: int, gas: int) -> None:
     for same_losses, differing in run_ranks(_branchy, 2, args=(stage, gas)):
         assert same_losses and differing == []
+
+
+# --- bf16 master weights (bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states) ----------
+
+
+def _bf16_master_run(rank: int, world: int, stage: int, bf16_states: bool, offload: str, gas: int):
+    """zerodp with bf16 master weights, and its unsharded reference: DDP over the bf16 model, the
+    same AdamW stepping the bf16 parameters themselves (bf16 state), or an fp32 copy of them that is
+    rounded back to bf16 after each step (fp32 state)."""
+    import zerodp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    steps = 4
+    ref = make_model().to(torch.bfloat16)
+    ddp = DDP(ref)
+    params = list(ref.parameters())
+    shadows = params if bf16_states else [torch.zeros(p.shape) for p in params]
+    opt = torch.optim.AdamW(shadows, **ADAMW)
+    offload_section = {} if offload == "none" else {
+        "offload_optimizer": offload if isinstance(offload, dict) else {"device": offload}}
+    engine, _, _, _ = zerodp.initialize(
+        model=make_model(), optimizer=lambda g: torch.optim.AdamW(g, **ADAMW),
+        config=_config(gas, 0.0, bf16={"enabled": True, "bf16_master_weights_and_grads": True,
+                                       "bf16_optimizer_states": bf16_states},
+                       zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0, **offload_section}))
+    ref_losses, losses = [], []
+    for step in range(steps):
+        for micro in range(gas):
+            with ddp.no_sync() if micro < gas - 1 else contextlib.nullcontext():
+                loss = ddp(*batch(rank, step, micro))
+                (loss / gas).backward()
+            ref_losses.append(loss.item())
+            loss = engine(*batch(rank, step, micro))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        if not bf16_states:
+            for shadow, p in zip(shadows, params):
+                shadow.data.copy_(p.detach())
+                shadow.grad = p.grad.float()
+        opt.step()
+        if not bf16_states:
+            for shadow, p in zip(shadows, params):
+                p.data.copy_(shadow)
+        opt.zero_grad()
+        ref.zero_grad()
+    with zerodp.zero.GatheredParameters(list(engine.module.parameters())):
+        differing = [n for (n, p), q in zip(ref.named_parameters(), engine.module.parameters()) if not torch.equal(p, q)]
+    state_dtypes = {v.dtype for s in engine.optimizer.state.values() for v in s.values() if v.dim() > 0}
+    return ref_losses == losses, differing, state_dtypes
+
+
+@pytest.mark.parametrize("bf16_states", [True, False], ids=["bf16 state", "fp32 state"])
+@pytest.mark.parametrize("stage,offload,gas", [(1, "none", 2), (2, "none", 1), (3, "none", 1), (2, "cpu", 1),
+                                               (3, "cpu", 1), (3, "nvme", 1)])
+def test_bf16_master_weights_equal_an_unsharded_bf16_reference_bitwise(stage: int, offload: str, gas: int,
+                                                                        bf16_states: bool, tmp_path) -> None:
+    """2 ranks: the same losses and parameters, bit for bit (a + b = b + a, and the reference rounds
+    where zerodp does). Stages 2 and 3 reduce every micro-batch, which in bf16 rounds differently
+    from DDP's one reduction of the accumulated sum, so they run without accumulation."""
+    if offload == "nvme":
+        offload = {"device": "nvme", "nvme_path": str(tmp_path)}
+    for same_losses, differing, state_dtypes in run_ranks(_bf16_master_run, 2,
+                                                          args=(stage, bf16_states, offload, gas)):
+        assert same_losses and differing == []
+        assert state_dtypes == {torch.bfloat16 if bf16_states else torch.float32}

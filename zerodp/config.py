@@ -61,6 +61,7 @@ from zerodp.config_schema import (
     ZeroDPConfig,
 )
 from zerodp.config_hparams import optimizer_section_problems, scheduler_section_problems
+from zerodp.config_keys import not_implemented_problems, warn_keys_without_effect
 from zerodp.config_rules import did_you_mean, semantic_problems, show_value
 from zerodp.log import log_rank0, warn_once
 
@@ -780,6 +781,7 @@ def load_config(config: Any = None, *, args: Any = None, world_size: int | None 
     cleaned = _clean_section(ZeroDPConfig, raw, "", report)
     cfg = _validate(cleaned, report)
     report.problems.extend(semantic_problems(cfg, report.usable))
+    report.problems.extend(not_implemented_problems(cfg))
     if report.usable("optimizer"):
         report.problems.extend(optimizer_section_problems(cfg))
     if report.usable("scheduler", "optimizer"):
@@ -793,6 +795,7 @@ def load_config(config: Any = None, *, args: Any = None, world_size: int | None 
         report.problems.extend(batch_issues)
     if report.problems or batch is None:
         raise ConfigError(report.problems or ["batch sizes could not be resolved"], source)
+    warn_keys_without_effect(cfg)
     return _finish(cfg, batch, raw)
 
 

@@ -302,13 +302,17 @@ class DtypePolicy:
 
     param_dtype: working precision of params and their grads (float32, bfloat16 or float16).
     grad_accum_dtype: dtype gradients are accumulated in across micro-batches.
-    master_dtype: the optimizer's copy of the params; always float32.
+    master_dtype: the weights the optimizer updates: float32, or bfloat16 with
+        `bf16.bf16_master_weights_and_grads` (the bf16 shard is then its own master).
+    optim_state_dtype: the optimizer's element-wise state: float32, or bfloat16 with
+        `bf16.bf16_optimizer_states` (see [Note: bf16 master weights]).
     reduce_dtype: dtype gradients are communicated in; None (default) = grad_accum_dtype.
     """
 
     param_dtype: torch.dtype
     grad_accum_dtype: torch.dtype
     master_dtype: torch.dtype = torch.float32
+    optim_state_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
@@ -323,20 +327,29 @@ class DtypePolicy:
             raise ValueError(f"data_types.grad_accum_dtype = \"{accum}\" is not supported with {param} "
                              f"training: gradients of {param} params are accumulated in {choices}. "
                              f"Fix: set data_types.grad_accum_dtype to {choices}, or null (= {param})")
-        if self.master_dtype != torch.float32:
-            raise ValueError(f"master_dtype = {self.master_dtype}: the optimizer's master copy is float32")
+        if self.master_dtype not in (torch.float32, self.param_dtype) or self.optim_state_dtype not in (
+                torch.float32, self.master_dtype):
+            raise AssertionError(f"dtype policy: master {self.master_dtype}, optimizer state "
+                                 f"{self.optim_state_dtype} with params in {self.param_dtype}")
         if self.reduce_dtype is None:
             object.__setattr__(self, "reduce_dtype", self.grad_accum_dtype)
 
     @property
     def needs_master_copy(self) -> bool:
-        """True when params train in 16 bits, so the optimizer keeps a float32 copy."""
-        return self.param_dtype != torch.float32
+        """True when the optimizer's weights are not the working params' dtype (16-bit training)."""
+        return self.param_dtype != self.master_dtype
+
+    @property
+    def step_dtype(self) -> torch.dtype:
+        """The dtype the optimizer steps in: that of its state (fp32 state over bf16 masters steps
+        on an fp32 copy, see [Note: bf16 master weights])."""
+        return self.optim_state_dtype
 
     @classmethod
     def from_config(cls, cfg: Any) -> DtypePolicy:
-        """From `cfg.precision` ("fp32", "bf16", "fp16") and `cfg.data_types.grad_accum_dtype`
-        (None = the param dtype, as in DeepSpeed; or "fp32", "fp16", "bf16")."""
+        """From `cfg.precision` ("fp32", "bf16", "fp16"), `cfg.data_types.grad_accum_dtype` (None =
+        the param dtype, as in DeepSpeed; or "fp32", "fp16", "bf16") and the bf16 section's
+        bf16_master_weights_and_grads / bf16_optimizer_states."""
         precision = getattr(cfg, "precision", None)
         if precision not in _PRECISION_DTYPES:
             raise ValueError(f"precision = {precision!r}: expected \"fp32\", \"bf16\" or \"fp16\" "
@@ -344,7 +357,25 @@ class DtypePolicy:
         param_dtype = _PRECISION_DTYPES[precision]
         data_types = getattr(cfg, "data_types", None)
         accum = _parse_dtype(getattr(data_types, "grad_accum_dtype", None))
-        return cls(param_dtype=param_dtype, grad_accum_dtype=accum or param_dtype)
+        bf16 = getattr(cfg, "bf16", None)
+        master = torch.bfloat16 if precision == "bf16" and getattr(bf16, "bf16_master_weights_and_grads", False) \
+            else torch.float32
+        state = torch.bfloat16 if master == torch.bfloat16 and getattr(bf16, "bf16_optimizer_states", False) \
+            else torch.float32
+        return cls(param_dtype=param_dtype, grad_accum_dtype=accum or param_dtype, master_dtype=master,
+                   optim_state_dtype=state)
+
+
+# [Note: bf16 master weights]
+# `bf16.bf16_master_weights_and_grads` (DeepSpeed's low-precision master option) keeps the weights
+# the optimizer updates in bf16: the owned bf16 shard is its own master (under CPU/NVMe offload, a
+# bf16 copy in host memory), which saves the 4 bytes of an fp32 master per owned element.
+# `bf16_optimizer_states` also keeps Adam's moments in bf16 (4 of 8 bytes saved): the optimizer
+# then steps directly on the bf16 master with bf16 gradients. Without it the moments stay fp32:
+# torch's optimizers keep state in their parameter's dtype, so for the step each master is given
+# an fp32 copy (a transient, one step's worth) which is rounded back to bf16 afterwards
+# (`stepping_in` in zero/base.py). The cost is accuracy: an update smaller than half a bf16 ulp
+# of its weight (8 bits of mantissa) is lost; docs/precision.md shows it on the demo task.
 
 
 # ---------------------------------------------------------------------------------------------

@@ -106,8 +106,9 @@ def _fill_pieces(engine: Any, tag_dir: Path, meta: dict, keys: list[str] | None)
     short = []
     for tensors, make_pieces in engine.strategy.resident_pieces(saving=False):
         if keys:
+            dtype = engine.strategy.policy.optim_state_dtype  # bf16 masters may keep fp32 state
             for t in tensors:
-                engine.optimizer.state[t].update({k: torch.zeros_like(t) for k in keys})
+                engine.optimizer.state[t].update({k: torch.zeros_like(t, dtype=dtype) for k in keys})
         pieces = make_pieces()
         wanted: dict[str, list] = {}
         for piece in pieces:

@@ -47,12 +47,12 @@ class Home:
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.empty(numel, dtype).zero_()
 
-    def master_of(self, shard: torch.Tensor) -> torch.Tensor:
-        """The fp32 master of a working-precision shard: the shard itself (fp32, no offload), else
-        an fp32 copy here."""
-        if shard.dtype == torch.float32 and not self.offload:
+    def master_of(self, shard: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The master (in `dtype`: fp32, or bf16 with bf16 master weights) of a working-precision
+        shard: the shard itself when it has that dtype and is not offloaded, else a copy here."""
+        if shard.dtype == dtype and not self.offload:
             return shard
-        master = self.empty(shard.numel(), torch.float32)
+        master = self.empty(shard.numel(), dtype)
         master.copy_(shard)
         return master
 
@@ -61,11 +61,11 @@ class Home:
         """dst += src, copying `src` to dst's device first (a reduced piece going down to the host)."""
         dst.add_(src if src.device == dst.device else src.to(dst.device))
 
-    def fp32(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` as fp32 here: itself when it already is, else a converted copy (a transient)."""
-        if tensor.dtype == torch.float32 and tensor.device == self.device:
+    def converted(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`tensor` in `dtype` here: itself when it already is, else a converted copy (a transient)."""
+        if tensor.dtype == dtype and tensor.device == self.device:
             return tensor
-        return tensor.to(device=self.device, dtype=torch.float32)
+        return tensor.to(device=self.device, dtype=dtype)
 
     @staticmethod
     def publish(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ rank), then either `step(loss_scale, max_norm)` or nothing, then `zero_grad()`.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -36,7 +37,8 @@ user's hyperparameters)."""
 @dataclass
 class Piece:
     """Elements [offset, offset + numel) of trainable parameter `name` (param group `group`) as
-    this rank holds them: `tensors` maps "master" (fp32 values) and each element-wise optimizer
+    this rank holds them: `tensors` maps "master" (the optimizer's weights: fp32, or bf16 with
+    bf16_master_weights_and_grads) and each element-wise optimizer
     state key (e.g. "exp_avg") to a flat view of live storage, so a checkpoint reads from and
     writes into it directly."""
 
@@ -63,9 +65,10 @@ class Strategy(abc.ABC):
         self.home = Home.for_section(device, zero.offload_optimizer)  # masters, optimizer state, grad shards
         self.param_home = Home.for_section(device, zero.offload_param)  # stage-3 parameter shards
 
-    def note_transient(self, name: str, tensor: torch.Tensor) -> None:
-        """Record a short-lived buffer's size for the ledger's transient peaks."""
-        self.transient_peak[name] = max(self.transient_peak.get(name, 0), tensor.numel() * tensor.element_size())
+    def note_transient(self, name: str, tensor: torch.Tensor | int) -> None:
+        """Record a short-lived buffer's size (a tensor, or bytes) for the ledger's transient peaks."""
+        size = tensor if isinstance(tensor, int) else tensor.numel() * tensor.element_size()
+        self.transient_peak[name] = max(self.transient_peak.get(name, 0), size)
 
     @abc.abstractmethod
     def wrap(self, module: nn.Module, param_groups: list[dict], make_optimizer: OptimizerFactory) -> None:
@@ -203,14 +206,36 @@ def clip_coefficient(sum_sq: float, loss_scale: float, max_norm: float) -> tuple
     return total_norm, coef
 
 
-def fp32_scaled(strategy: Strategy, grad: torch.Tensor, coef: float) -> torch.Tensor:
-    """`grad` as fp32 on the optimizer's device (a transient copy when it is not), times `coef`."""
-    fp32 = strategy.home.fp32(grad)  # the host when the optimizer is offloaded
-    if fp32 is not grad:
-        strategy.note_transient("step_grad_fp32", fp32)
+def step_grad(strategy: Strategy, grad: torch.Tensor, coef: float) -> torch.Tensor:
+    """`grad` in the step's dtype (fp32, or bf16 with bf16 optimizer state) on the optimizer's
+    device (a transient copy when it is not there in it), times `coef`."""
+    converted = strategy.home.converted(grad, strategy.policy.step_dtype)  # the host when offloaded
+    if converted is not grad:
+        strategy.note_transient("step_grad_fp32" if converted.dtype == torch.float32 else "step_grad", converted)
     if coef != 1.0:
-        fp32.mul_(coef)
-    return fp32
+        converted.mul_(coef)
+    return converted
+
+
+@contextlib.contextmanager
+def stepping_in(strategy: Strategy, params: list[torch.Tensor]) -> Iterator[None]:
+    """Inside, the optimizer's `params` hold their values in the step's dtype: bf16 masters get an
+    fp32 copy for fp32 optimizer state, rounded back into the master at exit (see [Note: bf16
+    master weights] in precision.py). Otherwise it changes nothing."""
+    dtype = strategy.policy.step_dtype
+    homes = [p.data for p in params]
+    if all(h.dtype == dtype for h in homes):
+        yield
+        return
+    for p, home in zip(params, homes):
+        p.data = home.to(dtype)
+    strategy.note_transient("step_master_fp32", sum(p.numel() * p.element_size() for p in params))
+    try:
+        yield
+    finally:
+        for p, home in zip(params, homes):
+            home.copy_(p.data)
+            p.data = home
 
 
 def elementwise_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -46,8 +46,8 @@ from zerodp.offload.cpu import Home
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY
 from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_optimizer_state, swap_store
 from zerodp.precision import first_nonfinite
-from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, fp32_scaled,
-                              sum_over_ranks_grad_stats)
+from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, step_grad,
+                              stepping_in, sum_over_ranks_grad_stats)
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
 from zerodp.zero.layout import Bucket, GroupLayout, assign_buckets, group_layout, owner_pieces
@@ -84,7 +84,8 @@ class FlatGroup:
         size = chunk_numel or owned.numel()
         self.chunks = [(lo, min(lo + size, owned.numel())) for lo in range(0, owned.numel(), size)]
         views = [owned] if len(self.chunks) == 1 else [owned[lo:hi] for lo, hi in self.chunks]
-        # fp32 training: the owned slice is its own master; 16-bit or offloaded: an fp32 copy.
+        # The owned slice is its own master when it has the master's dtype (fp32 training, bf16
+        # master weights) and is not offloaded; else a copy.
         self.masters = [make_master(view) for view in views]
         self.separate_master = self.masters[0] is not views[0]
         self.flat_grad: FlatGradBuffer | None = None  # stage 1: full-size accumulation
@@ -154,7 +155,7 @@ class Stage12(Strategy):
     def _master_of(self, view: torch.Tensor) -> torch.Tensor:
         """The fp32 master of an owned chunk; with NVMe offload written to its swap file and freed
         before the next chunk's is made, so set-up never holds the whole master in host memory."""
-        master = self.home.master_of(view)
+        master = self.home.master_of(view, self.policy.master_dtype)
         if self.optim_store is not None:
             slot = SwapSlot(self.optim_store, f"chunk{len(self.master_slots)}/master", master)
             slot.write().wait()
@@ -241,10 +242,12 @@ class Stage12(Strategy):
         """The optimizer over these master chunks (others have no .grad, so torch skips them), then
         their values written into the flat buffers."""
         chunks = [self.chunk_list[i] for i in indices]
-        for fg, k in chunks:
-            lo, hi = fg.chunks[k]
-            fg.masters[k].grad = fp32_scaled(self, fg.owned_grad[lo:hi], coef)
-        self.optimizer.step()
+        masters = [fg.masters[k] for fg, k in chunks]
+        with stepping_in(self, masters):
+            for fg, k in chunks:
+                lo, hi = fg.chunks[k]
+                fg.masters[k].grad = step_grad(self, fg.owned_grad[lo:hi], coef)
+            self.optimizer.step()
         for fg, k in chunks:
             fg.masters[k].grad = None
             fg.write_master(k)

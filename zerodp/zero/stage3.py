@@ -57,8 +57,8 @@ from zerodp.offload.cpu import Home
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY
 from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_optimizer_state, swap_store
 from zerodp.precision import first_nonfinite
-from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, fp32_scaled,
-                              sum_over_ranks_grad_stats)
+from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, step_grad,
+                             stepping_in, sum_over_ranks_grad_stats)
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import trainable_in_registration_order
 from zerodp.zero.init import gather_init_param, is_partitioned
@@ -165,7 +165,7 @@ class Stage3(Strategy):
         f = unit.trainable
         if f is None:
             return
-        unit.master = self.home.master_of(f.shard)
+        unit.master = self.home.master_of(f.shard, self.policy.master_dtype)
         unit.owned_grad = self.home.zeros(f.layout.shard_numel, self.policy.grad_accum_dtype)
         unit.pieces = _group_pieces(f, self.group_of)  # (group, start, stop) within the owned shard
         unit.piece_views = [unit.master[lo:hi] for _, lo, hi in unit.pieces]  # made before any swap-out
@@ -475,11 +475,12 @@ class Stage3(Strategy):
     def _step_units(self, units: list[Unit], coef: float) -> None:
         """The optimizer over these units' pieces (others have no .grad, so torch skips them), then
         their shards republished."""
-        grads = {unit: fp32_scaled(self, unit.owned_grad, coef) for unit in units}
+        grads = {unit: step_grad(self, unit.owned_grad, coef) for unit in units}
         pieces = [(unit, lo, hi, view) for unit in units for (u, lo, hi, view) in self.optim_pieces_of.get(unit, [])]
-        for unit, lo, hi, view in pieces:
-            view.grad = grads[unit][lo:hi]
-        self.optimizer.step()
+        with stepping_in(self, [view for *_, view in pieces]):
+            for unit, lo, hi, view in pieces:
+                view.grad = grads[unit][lo:hi]
+            self.optimizer.step()
         for _, _, _, view in pieces:
             view.grad = None
         self._publish(units)
