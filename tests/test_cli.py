@@ -44,7 +44,7 @@ def test_config_check_without_world_size_says_how_to_give_it(tmp_path, capsys, m
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     path = _write(tmp_path, {"train_micro_batch_size_per_gpu": 4})
     assert main(["config", "check", path]) == 1
-    assert "world_size" in capsys.readouterr().err
+    assert "`zerodp config check CONFIG --world-size N`" in capsys.readouterr().err
 
 
 def test_demo_with_an_unbuilt_feature_is_a_message_not_a_traceback(tmp_path, capsys) -> None:
@@ -90,6 +90,40 @@ def test_demo_trains_end_to_end_on_two_processes() -> None:
     assert result.returncode == 0, result.stderr
     assert "loss " in result.stdout and "memory ledger, rank 0" in result.stdout
     assert "param16" in result.stdout and "all_reduce[bfloat16]" in result.stdout
+
+
+def test_demo_shows_a_new_user_only_its_own_lines_even_beside_a_checkout_named_zerodp(tmp_path) -> None:
+    """Run from a folder holding a directory called zerodp (a checkout's parent): the ranks import the
+    installed package, not that directory as a namespace package. Nothing else is printed: no
+    torchrun banner, no INFO line repeating the demo's header, no TFLOPS on a CPU."""
+    (tmp_path / "zerodp").mkdir()
+    result = subprocess.run([sys.executable, "-m", "zerodp.cli", "demo", "--steps", "2"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=180,
+                            env={k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert "model states" in result.stdout and "TFLOPS" not in result.stdout and " mem " not in result.stdout
+
+
+def test_demo_refuses_zero_steps_in_one_line() -> None:
+    result = _zerodp("demo", "--steps", "0")
+    assert result.returncode == 2 and "argument --steps: '0' is not a whole number >= 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("text,size", [("5GB", 5 * 10**9), ("5G", 5 * 10**9), ("5GiB", 5 * 2**30), ("500MB", 5 * 10**8),
+                                       ("1.5GB", 15 * 10**8), ("2KB", 2000), ("4096", 4096)])
+def test_shard_sizes_are_read_as_hugging_face_writes_them(text: str, size: int) -> None:
+    from zerodp.cli import parse_size
+
+    assert parse_size(text) == size
+
+
+def test_a_bad_shard_size_and_a_missing_checkpoint_are_one_line_each(tmp_path, capsys) -> None:
+    assert main(["ckpt", "convert", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "5 parsecs"]) == 1
+    assert "--max-shard-size '5 parsecs': expected a size such as 5GB" in capsys.readouterr().err
+    assert main(["ckpt", "inspect", str(tmp_path / "nowhere")]) == 1
+    assert capsys.readouterr().err == f"zerodp ckpt inspect: {tmp_path / 'nowhere'} does not exist\n"
 
 
 def test_demo_at_stage_3_shards_the_parameters() -> None:

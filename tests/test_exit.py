@@ -101,3 +101,22 @@ def _pending_after_training(rank: int, world_size: int, stage: int) -> int:
     if not zerodp.comm.drain_pending(timeout_s=30):
         raise AssertionError(f"rank {rank}: {zerodp.comm.pending_collectives()} tensors still held")
     return zerodp.comm.pending_collectives()
+
+
+def test_a_collective_whose_peer_died_names_the_rank_that_is_gone(tmp_path) -> None:
+    script = textwrap.dedent("""
+        import os, time, torch, zerodp
+        zerodp.init_distributed()
+        if zerodp.comm.get_rank() == 1:
+            os._exit(3)   # killed, say by the OOM killer
+        time.sleep(0.5)
+        try:
+            zerodp.comm.all_reduce(torch.ones(4))
+        except zerodp.comm.PeerGone as err:
+            print(err, flush=True)
+    """)
+    survivor, dead = _start_two_ranks(script, tmp_path)
+    out, err = survivor.communicate(timeout=120)
+    dead.communicate(timeout=60)
+    assert survivor.returncode == 0, err[-2000:]
+    assert out.startswith("rank 0: rank 1 is gone, so this collective cannot finish"), out + err[-2000:]

@@ -428,6 +428,22 @@ def _external(rank: int, world: int, register: bool):
     return loss.item()
 
 
+@pytest.mark.parametrize("message,hinted", [
+    ("mat1 and mat2 shapes cannot be multiplied (4x16 and 0x16)", True),
+    ("The size of tensor a (16) must match the size of tensor b (0) at non-singleton dimension 1", True),
+    ("Function MmBackward0 returned an invalid gradient at index 1 - got [0] but expected shape compatible with "
+     "[16, 32]", True),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:61233", False),
+    ("ZeRO stage 3: ranks ran different modules in this forward/backward, so their parameter gathers paired up "
+     "wrongly", False),
+    ("expected scalar type Float but found BFloat16", False),
+])
+def test_the_released_parameter_hint_is_added_only_to_errors_about_a_released_shape(message: str, hinted: bool) -> None:
+    from zerodp.zero.stage3 import Stage3
+
+    assert (Stage3.error_hint(None, RuntimeError(message)) is not None) == hinted  # type: ignore[arg-type]
+
+
 def test_a_parameter_used_outside_its_module_names_the_fix_and_works_once_registered() -> None:
     with pytest.raises(RankFailed, match="register_external_parameter"):
         run_ranks(_external, 2, args=(False,))

@@ -4,7 +4,15 @@
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config="ds_config.json")
 """
 
-from zerodp import checkpointing, comm
+import importlib.util as _importlib_util
+import warnings as _warnings
+
+if _importlib_util.find_spec("numpy") is None:
+    # torch warns at import that it cannot use NumPy; zerodp never needs it, so without NumPy
+    # installed the warning is noise (a new user's first `zerodp demo` printed it three times).
+    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+from zerodp import checkpointing, comm  # noqa: E402 - after the filter, which must precede torch
 from zerodp.api import initialize
 from zerodp.comm import init_distributed
 from zerodp.config import ConfigError, ZeroDPConfig, add_config_arguments, load_config

@@ -62,12 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--tag", default=None, help="tag to read (default: the one in DIR/latest)")
     convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                          help="dtype of the trainable weights written (default fp32, the master weights)")
-    convert.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 500MB, 5GB (default 5GB)")
+    convert.add_argument("--max-shard-size", default="5GB",
+                         help="largest output file: 500MB, 5GB or 5G (powers of 1000), 5GiB (powers of 1024); default 5GB")
     convert.set_defaults(func=_cmd_ckpt_convert)
 
     demo = sub.add_parser("demo", help="train a small GPT on a synthetic task, then show the memory ledger")
-    demo.add_argument("--nproc", type=int, default=2, help="processes (ranks) to launch (default 2)")
-    demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo's)")
+    demo.add_argument("--nproc", type=_positive_int, default=2, help="processes (ranks) to launch (default 2)")
+    demo.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: the demo's)")
     demo.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage (default 0)")
     demo.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="precision (default fp32)")
     demo.add_argument("--config", default=None, help="a DeepSpeed JSON config to start from (flags override it)")
@@ -75,6 +76,16 @@ def _parser() -> argparse.ArgumentParser:
                       help="checkpoint every transformer block (compare the saved-activation bytes with and without)")
     demo.set_defaults(func=_cmd_demo)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
 
 
 def _cmd_run(argv: list[str]) -> int:
@@ -122,12 +133,23 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def _parse_size(text: str) -> int:
-    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, "B": 1}
-    for unit, factor in units.items():
-        if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+_SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
+               "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """A size as Hugging Face and DeepSpeed write them: "5GB" and "5G" (10**9 bytes each), "5GiB"
+    (2**30), "500MB", "1.5GB", or a plain number of bytes. ValueError naming the spellings otherwise."""
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].upper()
+    try:
+        size = float(number)
+    except ValueError:
+        size = -1.0
+    if unit not in _SIZE_UNITS or not size > 0:
+        raise ValueError(f"--max-shard-size {text!r}: expected a size such as 5GB, 5G, 5GiB, 500MB or a number "
+                         "of bytes (KB/MB/GB = powers of 1000, KiB/MiB/GiB = powers of 1024, as in Hugging Face)")
+    return int(size * _SIZE_UNITS[unit])
 
 
 def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
@@ -147,7 +169,7 @@ def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
             bar[0].update(done)
 
         convert = convert_to_torch if args.to == "fp32" else convert_to_safetensors
-        files = convert(args.dir, args.out, args.tag, dtype, _parse_size(args.max_shard_size), progress)
+        files = convert(args.dir, args.out, args.tag, dtype, parse_size(args.max_shard_size), progress)
         if bar:
             bar[0].close()
     except (CheckpointError, OSError, ValueError) as err:
@@ -159,6 +181,7 @@ def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from zerodp.config import ConfigError, load_config
+    from zerodp.demo import train as train_script
     from zerodp.demo.train import demo_config
 
     try:
@@ -171,12 +194,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         path = os.path.join(tmp, "ds_config.json")
         with open(path, "w") as f:
             json.dump(config, f)
-        argv = ["--nproc-per-node", str(args.nproc), "-m", "zerodp.demo.train", "--config", path]
+        # The script by path, not `-m zerodp.demo.train`: -m puts the working directory first on
+        # sys.path, and a directory there named zerodp (a checkout's root) would shadow the package.
+        argv = ["--nproc-per-node", str(args.nproc), train_script.__file__, "--config", path]
         if args.steps is not None:
             argv += ["--steps", str(args.steps)]
         if args.activation_checkpointing:
             argv.append("--activation-checkpointing")
+        _quiet_demo_children()
         return _cmd_run(argv)
+
+
+def _quiet_demo_children() -> None:
+    """A new user should see the demo's own lines: no torchrun banner about OMP_NUM_THREADS (set to
+    what torchrun would set), no zerodp INFO lines that repeat the demo's header, no torch warning
+    about a NumPy zerodp does not need."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("ZERODP_LOG_LEVEL", "WARNING")
+    ignore = "ignore:Failed to initialize NumPy"  # the children import torch before zerodp's own filter
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), ignore]))
 
 
 if __name__ == "__main__":

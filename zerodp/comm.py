@@ -155,13 +155,36 @@ class Pending:
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         works, self.works = self.works, []  # see [Note: leaving nothing for interpreter shutdown]
-        for work in works:
-            work.wait()
+        with _naming_lost_peers():
+            for work in works:
+                work.wait()
         if self.then is not None:
             self.then()
             self.then = None
         _unwaited.discard(self)
         return True
+
+
+class PeerGone(RuntimeError):
+    """A collective failed because another rank's process ended (crashed, killed, or left early)."""
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+@contextmanager
+def _naming_lost_peers() -> Iterator[None]:
+    """Turn the backend's "Connection closed by peer [addr]:port" into PeerGone naming the rank
+    that is gone when it can be known (with two ranks, the other one)."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, PeerGone) or not any(marker in str(err) for marker in _PEER_LOST):
+            raise
+        world, rank = get_world_size(), get_rank()
+        who = f"rank {1 - rank}" if world == 2 else "another rank (the launcher's log names the first to fail)"
+        raise PeerGone(f"rank {rank}: {who} is gone, so this collective cannot finish; its own error is the "
+                       f"one to read. Backend: {' '.join(str(err).split())[:300]}") from err
 
 
 def _pending(work: dist.Work | None) -> Pending | None:
@@ -313,7 +336,8 @@ def all_reduce(
 ) -> Pending | None:
     """In-place all-reduce of `tensor` over `group`."""
     ledger.record("all_reduce", tensor)
-    return _pending(dist.all_reduce(_handed_over(tensor), op=op, group=group, async_op=async_op))
+    with _naming_lost_peers():
+        return _pending(dist.all_reduce(_handed_over(tensor), op=op, group=group, async_op=async_op))
 
 
 def reduce(
@@ -324,13 +348,15 @@ def reduce(
 ) -> Pending | None:
     """Sum `tensor` over ranks into global rank `dst`'s copy (one owner's piece of a reduce-scatter)."""
     ledger.record("reduce", tensor)
-    return _pending(dist.reduce(_handed_over(tensor), dst=dst, group=group, async_op=async_op))
+    with _naming_lost_peers():
+        return _pending(dist.reduce(_handed_over(tensor), dst=dst, group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
     """In-place broadcast of `tensor` from global rank `src`."""
     ledger.record("broadcast", tensor)
-    dist.broadcast(_handed_over(tensor), src=src, group=group)
+    with _naming_lost_peers():
+        dist.broadcast(_handed_over(tensor), src=src, group=group)
 
 
 def all_gather_into_tensor(
@@ -345,7 +371,9 @@ def all_gather_into_tensor(
     On gloo, one broadcast per rank (see [Note: gloo collectives])."""
     ledger.record("all_gather", output)
     if not _is_gloo(group):
-        return _pending(_all_gather_single(_handed_over(output), _handed_over(input), group=group, async_op=async_op))
+        with _naming_lost_peers():
+            return _pending(_all_gather_single(_handed_over(output), _handed_over(input), group=group,
+                                               async_op=async_op))
     chunks = output.view(-1).chunk(get_world_size(group))
     mine = chunks[get_rank(group)]
     if mine.data_ptr() != input.data_ptr():  # in place when `input` is already this rank's chunk
@@ -367,7 +395,9 @@ def reduce_scatter_tensor(
     On gloo, one reduce per owner (see [Note: gloo collectives]); `input` is scratch afterwards."""
     ledger.record("reduce_scatter", input)
     if not _is_gloo(group):
-        return _pending(_reduce_scatter_single(_handed_over(output), _handed_over(input), op=op, group=group, async_op=async_op))
+        with _naming_lost_peers():
+            return _pending(_reduce_scatter_single(_handed_over(output), _handed_over(input), op=op, group=group,
+                                                   async_op=async_op))
     chunks = input.view(-1).chunk(get_world_size(group))
     works = [dist.reduce(_handed_over(chunk), dst=_global(group, r), op=op, group=group, async_op=True)
              for r, chunk in enumerate(chunks)]
@@ -444,7 +474,8 @@ def on_every_rank(work: Callable[[], Any]) -> Any:
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Block until every rank in `group` reaches this point."""
     if is_initialized():
-        dist.barrier(group=group)
+        with _naming_lost_peers():
+            dist.barrier(group=group)
 
 
 def barrier_naming_missing_ranks() -> None:

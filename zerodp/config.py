@@ -63,7 +63,7 @@ from zerodp.config_schema import (
 from zerodp.config_hparams import optimizer_section_problems, scheduler_section_problems
 from zerodp.config_keys import not_implemented_problems, warn_keys_without_effect
 from zerodp.config_rules import did_you_mean, semantic_problems, show_value
-from zerodp.log import log_rank0, warn_once
+from zerodp.log import warn_once
 
 __all__ = [
     "ActivationCheckpointingConfig", "AioConfig", "BF16Config", "BatchMath", "CheckpointConfig",
@@ -721,8 +721,9 @@ def _validate(cleaned: dict[str, Any], report: _Report) -> ZeroDPConfig:
 _UNKNOWN_WORLD_SIZE = (
     "data-parallel world size: unknown (torch.distributed is not initialised and $WORLD_SIZE is "
     "not set). zerodp never assumes 1, because a wrong world size silently changes the batch "
-    "math (DeepSpeed #3228, #4703). Pass load_config(..., world_size=N), initialise "
-    "torch.distributed first, or launch with `zerodp run` / torchrun, which set WORLD_SIZE")
+    "math (DeepSpeed #3228, #4703). Give it: `zerodp config check CONFIG --world-size N`; in Python "
+    "load_config(..., world_size=N), or initialise torch.distributed first; or launch with `zerodp run` / "
+    "torchrun, which set WORLD_SIZE")
 
 
 def _dist_world_size() -> int | None:
@@ -806,7 +807,6 @@ def _finish(cfg: ZeroDPConfig, batch: BatchMath, raw: dict[str, Any]) -> ZeroDPC
     cfg._world_size = batch.world_size
     cfg._batch = batch
     cfg._source = copy.deepcopy(raw)
-    log_rank0("zerodp config: %s", batch.describe())
     return cfg
 
 

@@ -221,7 +221,7 @@ class Engine(nn.Module):
         try:
             yield
         except RuntimeError as err:
-            hint = self.strategy.error_hint()
+            hint = self.strategy.error_hint(err)
             if hint and hasattr(err, "add_note"):  # Python >= 3.11
                 err.add_note(hint)
             raise

@@ -35,6 +35,9 @@ Entry = tuple[str, list[int], torch.dtype]  # a tensor of an export: name, shape
 def resolve_tag_dir(ckpt_dir: str | Path, tag: str | None = None) -> Path:
     """DIR/TAG, with TAG from DIR/latest when not given."""
     root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} does not exist" if not root.exists() else
+                              f"{root} is a file, not a checkpoint directory")
     if tag is None:
         if (root / "meta.json").exists():  # given the tag directory itself
             return root

@@ -66,7 +66,8 @@ def train(config: dict, steps: int, out: TextIO, activation_checkpointing: bool 
     rank0 = engine.global_rank == 0
     tokens = cfg.train_batch_size * DEMO_DEFAULT.seq_len
     fpt = flops_per_token(num_params, DEMO_DEFAULT.n_layer, DEMO_DEFAULT.seq_len, DEMO_DEFAULT.d_model)
-    throughput = Throughput(tokens_per_step=tokens, flops_per_token=fpt)
+    # TFLOPS only where they mean something (a GPU); on a CPU the figure only confuses
+    throughput = Throughput(tokens_per_step=tokens, flops_per_token=fpt if engine.device.type == "cuda" else None)
     if rank0:
         out.write(f"zerodp demo: TinyGPT {format_count(num_params)} params, {dataset.describe()}\n"
                   f"  {engine.world_size} ranks, ZeRO stage {cfg.zero_optimization.stage}, {cfg.precision}, "

@@ -128,8 +128,9 @@ class Strategy(abc.ABC):
     def load_layout_state(self, state: dict | None) -> None:
         """Restore what `layout_state` returned (between steps, gradients zero)."""
 
-    def error_hint(self) -> str | None:
-        """A line added to an error raised in the model's forward or backward (what this stage changes)."""
+    def error_hint(self, error: BaseException) -> str | None:
+        """A line added to `error`, raised in the model's forward or backward, when it is likely what
+        this stage changes that caused it; None otherwise."""
         return None
 
     def close(self) -> None:

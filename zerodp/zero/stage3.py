@@ -44,6 +44,7 @@ that changes the sequence of collectives waits in a collective until the timeout
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import torch
@@ -69,6 +70,12 @@ from zerodp.zero.units import FlatShard, Unit, UnitState, mark_leaf_modules_from
 
 SHARD_WRITES_IN_FLIGHT = 2
 """NVMe parameter offload: updated shards being written back during the step at once."""
+
+
+_RELEASED_SHAPE = re.compile(r"(?<![\d.])0x\d|\dx0(?![\d.])|\[0\]|\[0, |\(0\)|torch\.Size\(\[0|"
+                            r"size 0\b|\b0 elements|shape '?\[0\b")
+"""What an error says when a released parameter (shape [0]) reached an operator: "mat1 and mat2 shapes
+cannot be multiplied (4x16 and 0x16)", "size of tensor b (0)", "torch.Size([0])", "shape [0]"."""
 
 
 class Stage3(Strategy):
@@ -556,7 +563,10 @@ class Stage3(Strategy):
                 self._publish([unit])
         self._finish_shard_writes()
 
-    def error_hint(self) -> str | None:
+    def error_hint(self, error: BaseException) -> str | None:
+        text = str(error)
+        if text.startswith("ZeRO stage 3:") or not _RELEASED_SHAPE.search(text):
+            return None  # not about a released (shape [0]) parameter: a dead peer, a divergence, the user's own
         return ("zerodp ZeRO stage 3: parameters of modules that are not running are released (shape [0]). If the "
                 "model uses a parameter outside the forward of the module that owns it, declare it with "
                 "zerodp.zero.register_external_parameter(module, param) before initialize(), or read it inside "
