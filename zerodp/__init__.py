@@ -12,7 +12,7 @@ if _importlib_util.find_spec("numpy") is None:
     # installed the warning is noise (a new user's first `zerodp demo` printed it three times).
     _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from zerodp import checkpointing, comm  # noqa: E402 - after the filter, which must precede torch
+from zerodp import checkpoint, checkpointing, comm  # noqa: E402 - after the filter, which must precede torch
 from zerodp.api import initialize
 from zerodp.comm import init_distributed
 from zerodp.config import ConfigError, ZeroDPConfig, add_config_arguments, load_config
@@ -29,6 +29,7 @@ __all__ = [
     "ZeroDPConfig",
     "__version__",
     "add_config_arguments",
+    "checkpoint",
     "checkpointing",
     "comm",
     "init_distributed",
