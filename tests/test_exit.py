@@ -54,14 +54,14 @@ def _start_two_ranks(script: str, tmp_path, env: dict | None = None) -> list[sub
     port = str(_free_port())
     return [subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ZERODP_TIMEOUT": "60",
+                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ZERODP_TIMEOUT": "200",
                                   **(env or {})})
             for rank in range(2)]
 
 
 def test_a_script_that_ends_right_after_a_collective_exits_0(tmp_path) -> None:
     for rank, proc in enumerate(_start_two_ranks(_LATE_PEER, tmp_path)):
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{err[-2000:]}"
         assert f"rank {rank} started" in out and "terminate called" not in err
 
@@ -71,13 +71,13 @@ def test_a_failing_script_exits_1_with_its_traceback_and_does_not_wait_for_its_p
     failing, peer = _start_two_ranks(_LATE_PEER, tmp_path, env={"GO": str(go)})
     try:
         # Less than ZERODP_TIMEOUT: a rank 0 that waits for the collective fails the test here.
-        _, err = failing.communicate(timeout=50)
+        _, err = failing.communicate(timeout=150)
     finally:
         go.write_text("")
     assert failing.returncode == 1, err[-2000:]
     assert "RuntimeError: the user's own error" in err
     assert "unfinished collectives" in err
-    out, err = peer.communicate(timeout=60)
+    out, err = peer.communicate(timeout=180)
     assert peer.returncode == 0, err[-2000:]
 
 
@@ -116,7 +116,7 @@ def test_a_collective_whose_peer_died_names_the_rank_that_is_gone(tmp_path) -> N
             print(err, flush=True)
     """)
     survivor, dead = _start_two_ranks(script, tmp_path)
-    out, err = survivor.communicate(timeout=120)
-    dead.communicate(timeout=60)
+    out, err = survivor.communicate(timeout=180)
+    dead.communicate(timeout=180)
     assert survivor.returncode == 0, err[-2000:]
     assert out.startswith("rank 0: rank 1 is gone, so this collective cannot finish"), out + err[-2000:]

@@ -172,13 +172,18 @@ def test_concurrent_reads_and_writes_and_their_counters(tmp_path, engine):
 def test_engine_config_and_queue_depth_bound_per_submit(tmp_path, monkeypatch):
     io_engine = AsyncFileIO(block_size=4096, queue_depth=2, num_threads=6)
     lock, in_flight, peak = threading.Lock(), [0], [0]
+    second_in_flight = threading.Event()
     real_pwrite = os.pwrite
 
     def slow_pwrite(fd, data, offset):
         with lock:
             in_flight[0] += 1
             peak[0] = max(peak[0], in_flight[0])
-        time.sleep(0.005)
+            if in_flight[0] >= 2:
+                second_in_flight.set()
+        # The first write waits until a second one is in flight (an engine that submits one at a
+        # time leaves it waiting out the 60 s and the peak at 1): no reliance on timing.
+        second_in_flight.wait(60)
         with lock:
             in_flight[0] -= 1
         return real_pwrite(fd, data, offset)
@@ -257,7 +262,7 @@ def test_files_are_removed_at_interpreter_exit(tmp_path):
               "store = SwapStore(sys.argv[1]); store.allocate('x', 10, torch.float32)\n"
               "store.write('x', torch.ones(10)).wait(); print(store.run_directory, flush=True)\n"
               "sys.modules['__main__'].keep = store\n")  # still referenced at exit: only atexit can clean
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     assert Path(result.stdout.strip()).parent == tmp_path
     assert list(tmp_path.iterdir()) == []
@@ -443,9 +448,9 @@ def test_pipeline_overlaps_read_next_and_write_previous_with_compute(buffer_coun
     def gate(kind: str, chunk: int) -> None:
         # read(i+1) may only finish once compute(i) has started, and with 3 buffers write(i-1) only
         # once compute(i) has: a driver that waited for them first would time out here.
-        if kind == "read" and chunk > 0 and not started[chunk - 1].wait(5):
+        if kind == "read" and chunk > 0 and not started[chunk - 1].wait(60):
             raise AssertionError(f"read({chunk}) was waited before compute({chunk - 1}) started")
-        if kind == "write" and buffer_count >= 3 and chunk + 1 < 6 and not started[chunk + 1].wait(5):
+        if kind == "write" and buffer_count >= 3 and chunk + 1 < 6 and not started[chunk + 1].wait(60):
             raise AssertionError(f"write({chunk}) was waited before compute({chunk + 1}) started")
 
     fake = _FakeIO(gate)

@@ -193,7 +193,7 @@ def test_nvme_preflight_errors_name_the_key_before_any_rank_communicates(nvme_pa
     from tests.harness import RankFailed
 
     with pytest.raises(RankFailed, match=message):
-        run_ranks(_preflight, 2, args=({"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}},), timeout=60)
+        run_ranks(_preflight, 2, args=({"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}},), timeout=100)
 
 
 def test_nvme_preflight_at_stage_2_refuses_swap_chunks_that_do_not_fit_in_host_memory(tmp_path, monkeypatch) -> None:

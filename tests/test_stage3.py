@@ -232,7 +232,7 @@ def _divergent(rank: int, world: int):
 def test_ranks_running_different_modules_raise_naming_them() -> None:
     with pytest.raises(RankFailed, match=r"ranks are about to gather different modules \(rank 0: blocks.3, "
                                          r"rank 1: blocks.2\)"):
-        run_ranks(_divergent, 2, timeout=60)
+        run_ranks(_divergent, 2, timeout=100)
 
 
 # --- ledgers ------------------------------------------------------------------------------------------
@@ -537,4 +537,4 @@ def test_without_per_gather_checks_the_order_hash_names_each_ranks_modules() -> 
     collectives hang until the collective timeout instead: docs/stage3.md.)"""
     with pytest.raises(RankFailed, match=r"ranks ran different modules(.|\n)*rank 0: <root> -> blocks.0 -> blocks.1"
                                          r"(.|\n)*rank 1: <root> -> blocks.1 -> blocks.0"):
-        run_ranks(_different_order_without_per_gather_checks, 2, timeout=60)
+        run_ranks(_different_order_without_per_gather_checks, 2, timeout=100)
