@@ -110,6 +110,12 @@ def test_what_torch_itself_refuses_is_found_before_any_rank_starts() -> None:
                         "Fix: lower warmup_min_lr or raise the optimizer's lr"]
 
 
+def test_a_schedule_is_not_checked_against_an_lr_the_config_does_not_know() -> None:
+    """The optimizer may be passed to initialize (no "optimizer" section): its lr is unknown here."""
+    config = {"train_micro_batch_size_per_gpu": 1, "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01}}}
+    assert load_config(config, world_size=1).scheduler.params == {"warmup_min_lr": 0.01}
+
+
 def test_config_check_and_initialize_say_the_same_about_every_refused_value(tmp_path, capsys) -> None:
     """One validation path: the CLI's message is initialize's, for each refused mutation."""
     import zerodp

@@ -153,7 +153,7 @@ class Pending:
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
 
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+    def wait(self) -> bool:
         works, self.works = self.works, []  # see [Note: leaving nothing for interpreter shutdown]
         with _naming_lost_peers():
             for work in works:

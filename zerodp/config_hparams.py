@@ -305,7 +305,8 @@ def _build_scheduler_once(cls: type, params: dict[str, Any], optimizer_lr: Any) 
 
     lengths = {len(v) for v in params.values() if isinstance(v, list)}  # per-group lists: that many groups
     num_groups = max(lengths, default=1)
-    lr = optimizer_lr if _is_number(optimizer_lr) else 1e-3
+    # Without the config's lr (an optimizer passed to initialize), one no schedule bound can exceed.
+    lr = optimizer_lr if _is_number(optimizer_lr) else 1e9
     groups = [{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(num_groups)]
     cls(torch.optim.SGD(groups, lr=lr, momentum=0.9), **params)
 

@@ -275,7 +275,9 @@ class Engine(nn.Module):
         self._step_started = now
         self._loss_sum, self._num_losses = None, 0
         self.saved_activations_peak, self._saved_peak = self._saved_peak, {}
-        every = self.config.steps_per_print
+        # Asking for a breakdown without steps_per_print gets it every step rather than never.
+        every = self.config.steps_per_print or (
+            1 if self.config.wall_clock_breakdown or self.config.memory_breakdown else None)
         if every and self.global_steps % every == 0:
             self._print_step()
 
