@@ -22,6 +22,7 @@ import torch
 
 from zerodp.memory import CPU, DEVICE
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY, check_host_memory, check_nvme_path
+from zerodp.offload.swap import swap_chunk_numel
 
 
 class Home:
@@ -92,7 +93,7 @@ def preflight_offload(config, trainable_numel: int) -> None:
     if section.device == "nvme":
         check_nvme_path(section.nvme_path, 12 * owned * local, key=OPTIMIZER_NVME_PATH_KEY)
         if zero.stage in (1, 2):  # the swap chunks in memory at once (stage 3's are its units)
-            chunk = min(int(zero.sub_group_size), owned)
+            chunk = min(swap_chunk_numel(int(zero.sub_group_size)), owned)
             resident = min(max(1, int(section.buffer_count)), -(-owned // chunk))
             check_host_memory(12 * chunk * resident * local,
                               what=f"offload_optimizer (device nvme): {resident} swap chunks (buffer_count) of "

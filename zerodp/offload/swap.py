@@ -29,6 +29,20 @@ from zerodp.offload.aio import ALIGN_BYTES, AsyncFileIO, run_swap_pipeline
 from zerodp.offload.nvme import SwapStore
 
 
+CHUNK_ALIGN_NUMEL = 512
+"""NVMe swap chunks start at multiples of this many elements. torch's fused CPU optimizers compute
+the elements of a tensor's last partial SIMD vector in a separate tail loop whose rounding can
+differ (measured: AdamW, 16-float AVX-512 vectors, chunks of 100,003 elements changed one element
+in 800K after 2 steps, and diverged further), so a chunk boundary inside a vector made NVMe offload
+differ from CPU offload; 512 covers any vector width and unroll."""
+
+
+def swap_chunk_numel(sub_group_size: int) -> int:
+    """`sub_group_size` rounded down to a multiple of CHUNK_ALIGN_NUMEL (at least one multiple)."""
+    return max(CHUNK_ALIGN_NUMEL, sub_group_size // CHUNK_ALIGN_NUMEL * CHUNK_ALIGN_NUMEL)
+
+
+
 class SwapSlot:
     """One contiguous CPU tensor whose bytes live in `store` region `name` while evicted.
 

@@ -23,8 +23,9 @@ one 2-element all-reduce (sum of squares, overflow count), so every rank takes t
 
 [Note: NVMe at stages 1 and 2]
 With `offload_optimizer.device: nvme` each group's owned master is split into chunks of at most
-`sub_group_size` elements, each its own fp32 tensor and its own optimizer param, written to the
-swap file as it is made (set-up never holds the whole master). The step runs the chunks through
+`sub_group_size` elements (rounded down to a multiple of offload/swap.py's CHUNK_ALIGN_NUMEL, so
+fused optimizers round every element as in one tensor), each its own fp32 tensor and its own
+optimizer param, written to the swap file as it is made (set-up never holds the whole master). The step runs the chunks through
 offload/swap.py's pipeline: read chunk i+1, step chunk i and write its values into the flat
 buffer, write chunk i-1 back; `buffer_count` chunks are in memory at most. The optimizer is
 element-wise, so splitting changes no number: bitwise equal to CPU offload (tests/test_offload.py).
@@ -44,7 +45,7 @@ from zerodp import comm
 from zerodp.memory import DEVICE, Category, MemoryLedger
 from zerodp.offload.cpu import Home
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY
-from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_optimizer_state, swap_store
+from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_optimizer_state, swap_chunk_numel, swap_store
 from zerodp.precision import first_nonfinite
 from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, step_grad,
                               stepping_in, sum_over_ranks_grad_stats)
@@ -149,7 +150,7 @@ class Stage12(Strategy):
     def _flat_group(self, params: list[nn.Parameter]) -> FlatGroup:
         params = sorted(params, key=self.position.__getitem__)  # flat order = registration order
         layout = group_layout([p.numel() for p in params], self.num_ranks)
-        chunk = int(self.config.zero_optimization.sub_group_size) if self.optim_store is not None else None
+        chunk = swap_chunk_numel(int(self.config.zero_optimization.sub_group_size)) if self.optim_store is not None else None
         return FlatGroup(params, layout, self.rank, self.policy.param_dtype, self.device, self._master_of, chunk)
 
     def _master_of(self, view: torch.Tensor) -> torch.Tensor:
