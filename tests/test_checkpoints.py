@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -192,6 +193,14 @@ def _load_one(rank: int, world: int, root: str, tag: str | None = "t"):
     _engine(2).load_checkpoint(root, tag=tag)
 
 
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory) -> Path:
+    """One 2-rank stage-2 checkpoint (tag "t") that the damage tests copy and then damage."""
+    root = tmp_path_factory.mktemp("saved")
+    run_ranks(_save_one, 2, args=(str(root),))
+    return root
+
+
 def _corrupt(root: Path, how: str) -> None:
     shard = root / "t" / "rank_1_of_2.pt"
     if how == "bit flip":
@@ -212,8 +221,8 @@ def _corrupt(root: Path, how: str) -> None:
     ("bit flip", r"rank_1_of_2.pt is corrupt"), ("truncated", r"rank_1_of_2.pt is corrupt"),
     ("missing", r"rank_1_of_2.pt is missing"), ("newer", r"format version 99 is newer"),
 ])
-def test_damaged_checkpoints_are_named_on_every_rank(tmp_path: Path, how: str, message: str) -> None:
-    run_ranks(_save_one, 2, args=(str(tmp_path),))
+def test_damaged_checkpoints_are_named_on_every_rank(tmp_path: Path, saved_once: Path, how: str, message: str) -> None:
+    shutil.copytree(saved_once, tmp_path, dirs_exist_ok=True)
     _corrupt(tmp_path, how)
     with pytest.raises(RankFailed, match=message):
         run_ranks(_load_one, 2, args=(str(tmp_path),), timeout=100)
@@ -263,8 +272,8 @@ def _escaping_name(root: Path) -> None:
     (_escaping_name, r"rank_x/../../outside.pt'\]: not a file name a zerodp save writes"),
     (_legacy_pickle_rng, r"rng_1.pt is not a zerodp checkpoint file"),
 ], ids=["rng file", "sha256 entry", "meta not utf-8", "meta not json", "escaping name", "legacy pickle"])
-def test_a_problem_one_rank_finds_is_raised_on_every_rank(tmp_path: Path, damage, message: str) -> None:
-    run_ranks(_save_one, 2, args=(str(tmp_path),))
+def test_a_problem_one_rank_finds_is_raised_on_every_rank(tmp_path: Path, saved_once: Path, damage, message: str) -> None:
+    shutil.copytree(saved_once, tmp_path, dirs_exist_ok=True)
     damage(tmp_path)
     # Less than the harness's 120 s collective timeout: a rank left waiting fails the test here.
     outcomes = run_ranks(_load_outcome, 2, args=(str(tmp_path),), timeout=100)

@@ -264,25 +264,29 @@ def test_sharded_bf16_ledger_keeps_masters_and_state_for_the_owned_shard_only(st
         assert memory["model_states"] == expected + 4
 
 
-@pytest.mark.parametrize("bf16_states", [False, True])
+def _bf16_ledgers(rank: int, world: int, stage: int) -> list[tuple[dict, int]]:
+    """(memory report, trainable numel) with fp32 masters, bf16 masters, and bf16 masters + moments."""
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    modes = [{"enabled": True}, {"enabled": True, "bf16_master_weights_and_grads": True},
+             {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}]
+    return [_ledgers(rank, world, {"bf16": bf16, "zero_optimization": zero})[::2] for bf16 in modes]
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bf16_master_weights_ledger_drops_the_fp32_master_and_halves_the_state(stage: int, bf16_states: bool) -> None:
+def test_bf16_master_weights_ledger_drops_the_fp32_master_and_halves_the_state(stage: int) -> None:
     """bf16.bf16_master_weights_and_grads: the bf16 shard is its own master, so the fp32 master's M
     bytes (4 per owned element) are saved; bf16_optimizer_states: Adam's two moments in bf16, another
     M. Everything else is unchanged, byte for byte."""
-    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
-    bf16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": bf16_states}
-    plain = run_ranks(_ledgers, 4, args=({"bf16": {"enabled": True}, "zero_optimization": zero},))
-    low = run_ranks(_ledgers, 4, args=({"bf16": bf16, "zero_optimization": zero},))
-    for (before, *_), (after, _, numel, _) in zip(plain, low):
+    for (before, numel), *low in run_ranks(_bf16_ledgers, 4, args=(stage,)):
         master = before["held"]["param32_master"]["device"]
         assert master == 4 * _padded(numel, 4)[1] or stage == 3  # stage 3 pads per unit
-        assert "param32_master" not in after["held"]
-        saved_state = master if bf16_states else 0
-        assert after["held"]["optim_state"]["device"] == before["held"]["optim_state"]["device"] - saved_state
-        assert after["model_states"] == before["model_states"] - master - saved_state
-        for category in ("param16", "grad"):
-            assert after["held"][category] == before["held"][category]
+        for bf16_states, (after, _) in zip((False, True), low):
+            assert "param32_master" not in after["held"]
+            saved_state = master if bf16_states else 0
+            assert after["held"]["optim_state"]["device"] == before["held"]["optim_state"]["device"] - saved_state
+            assert after["model_states"] == before["model_states"] - master - saved_state
+            for category in ("param16", "grad"):
+                assert after["held"][category] == before["held"][category]
 
 
 # --- accumulation controls (found in review) ---------------------------------------------------
