@@ -42,7 +42,6 @@ def swap_chunk_numel(sub_group_size: int) -> int:
     return max(CHUNK_ALIGN_NUMEL, sub_group_size // CHUNK_ALIGN_NUMEL * CHUNK_ALIGN_NUMEL)
 
 
-
 class SwapSlot:
     """One contiguous CPU tensor whose bytes live in `store` region `name` while evicted.
 
