@@ -11,11 +11,12 @@ fp32 results equal DDP's bit for bit when every floating-point sum happens in th
   norm differs in the last bit, so a *binding* clip scales by a coefficient 1 ulp apart. A
   non-binding threshold (coefficient exactly 1) is bitwise;
 - stage 2 reduces every micro-batch, (a1 + b1) + (a2 + b2) where DDP sums (a1 + a2) + (b1 + b2);
-- with torch's *fused* AdamW (what a config's "optimizer" section builds), stages 1-3 step one flat
+- with torch's *fused* AdamW (what a config's "optimizer" section builds), stages 1-2 step one flat
   shard where DDP steps each parameter, and the fused CPU kernel rounds the elements of a tensor's
   last partial SIMD vector in a separate tail loop: a parameter whose size is not a multiple of the
   vector width (16 floats here) differs in its last elements (measured: dim 19, 261 of 3,724
-  elements after 6 steps). The tests use foreach AdamW, which has no such tail, and are bitwise.
+  elements after 6 steps; stage 3 steps flat unit shards too, not measured). The tests use foreach
+  AdamW, which has no such tail, and are bitwise.
 Those cases are compared with a tolerance of a few ulps of the loss (Adam turns a 1-ulp gradient
 difference on a near-zero gradient into up to ~4e-5 of parameter drift over 6 steps at lr 1e-2;
 with SGD the same runs differ by 1.5e-8).
