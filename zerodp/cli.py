@@ -3,6 +3,7 @@
     zerodp demo                                   # train a small GPT on 2 CPU processes
     zerodp config check ds.json --world-size 8    # validate a DeepSpeed config, show the batch math
     zerodp run --nproc-per-node 2 train.py ...    # torchrun with zerodp's defaults
+    zerodp deepspeed --num_gpus 2 train.py ...    # DeepSpeed's launcher flags, over torchrun
     zerodp ckpt convert ckpt/ out/                # full weights as safetensors shards
 """
 
@@ -23,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     if argv[:1] == ["run"]:  # everything after `run` belongs to torchrun and the script
         return _cmd_run(argv[1:])
+    if argv[:1] == ["deepspeed"]:  # everything after `deepspeed` belongs to the launcher and the script
+        return _cmd_deepspeed(argv[1:])
     args = _parser().parse_args(argv)
     return args.func(args)
 
@@ -39,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerodp", description="ZeRO training engine for PyTorch (DeepSpeed-compatible).")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
     sub.add_parser("run", help="launch a training script on N processes (torchrun's options; see `zerodp run --help`)")
+    sub.add_parser("deepspeed", help="launch a DeepSpeed script with DeepSpeed's launcher flags (see `zerodp deepspeed --help`)")
 
     config = sub.add_parser("config", help="check a DeepSpeed config").add_subparsers(required=True, metavar="ACTION")
     check = config.add_parser("check", help="validate a config and print it resolved, with the batch math")
@@ -95,6 +99,16 @@ def _cmd_run(argv: list[str]) -> int:
         print(_run_help())
         return EXIT_OK if argv else EXIT_USAGE
     return launch(argv)
+
+
+def _cmd_deepspeed(argv: list[str]) -> int:
+    from zerodp.launcher import launch_deepspeed
+
+    try:
+        return launch_deepspeed(argv)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _run_help() -> str:

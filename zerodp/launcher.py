@@ -1,4 +1,4 @@
-"""`zerodp run`: torchrun (torch.distributed.run) with a safe default for one machine.
+"""`zerodp run` and `zerodp deepspeed`: torchrun (torch.distributed.run) with safe defaults.
 
     zerodp run --nproc-per-node 2 train.py --deepspeed_config ds.json        # one machine
     zerodp run --nnodes 2 --node-rank 0 --master-addr host0 --master-port 29500 \\
@@ -8,9 +8,16 @@ Every torchrun option is accepted as is. When no multi-node option is given, `--
 added: a local rendezvous on a free port, so two jobs on one machine never collide on 29500.
 torchrun watches the workers: when one fails, it stops the others (no rank is left hanging) and
 reports the failing rank and its error.
+
+Both set ZERODP_AS_DEEPSPEED=1 for the workers (unless it is set already), so `import deepspeed` in
+the script and in the libraries it uses is zerodp's compatibility package. `zerodp deepspeed` takes
+DeepSpeed's launcher flags instead of torchrun's (see `deepspeed_torchrun_argv`).
 """
 
 from __future__ import annotations
+
+import argparse
+import os
 
 _MULTI_NODE_OPTIONS = {
     "--standalone", "--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_addr",
@@ -30,11 +37,12 @@ def torchrun_argv(argv: list[str]) -> list[str]:
 
 
 def launch(argv: list[str]) -> int:
-    """Run torchrun with `argv` (see `torchrun_argv`); returns the exit code (0 when every worker
-    succeeded)."""
+    """Run torchrun with `argv` (see `torchrun_argv`) and ZERODP_AS_DEEPSPEED=1 (unless set); returns
+    the exit code (0 when every worker succeeded)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    os.environ.setdefault("ZERODP_AS_DEEPSPEED", "1")
     try:
         run(parse_args(torchrun_argv(argv)))
     except ChildFailedError as err:
@@ -43,3 +51,103 @@ def launch(argv: list[str]) -> int:
         logger.error("%s", err.format_msg())
         return 1
     return 0
+
+
+_DEEPSPEED_ONLY_SWITCHES = ("force_multi", "save_pid", "bind_cores_to_rank")
+_DEEPSPEED_ONLY_OPTIONS = ("include", "exclude", "launcher", "launcher_args", "enable_each_rank_log", "autotuning",
+                           "bind_core_list", "ssh_port", "venv_script")
+_DEEPSPEED_ONLY_FLAGS = _DEEPSPEED_ONLY_SWITCHES + _DEEPSPEED_ONLY_OPTIONS
+"""DeepSpeed launcher flags `zerodp deepspeed` refuses by name (switches take no value, options one): each
+selects a DeepSpeed-specific mechanism (pdsh/ssh host fan-out, core binding, its autotuner) that torchrun
+does not have."""
+
+
+def _deepspeed_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zerodp deepspeed", description="DeepSpeed's `deepspeed` launcher flags over torchrun (ZERODP_AS_DEEPSPEED=1).",
+        epilog="On several machines run it on each one with --no_ssh --node_rank R --num_nodes N --master_addr A "
+               "(zerodp does not ssh into hosts).")
+    parser.add_argument("--num_gpus", "--num_accelerators", type=int, default=None,
+                        help="processes on this machine (default: the CUDA device count, 1 without CUDA)")
+    parser.add_argument("--num_nodes", type=int, default=1, help="machines in the job (default 1)")
+    parser.add_argument("--node_rank", type=int, default=0, help="this machine's index, with --no_ssh")
+    parser.add_argument("--master_addr", default=None, help="address of node 0 (default: a local rendezvous)")
+    parser.add_argument("--master_port", type=int, default=None, help="port on node 0 (default: a free one)")
+    parser.add_argument("--hostfile", "-H", default=None, help="DeepSpeed hostfile; one host only ('host slots=N')")
+    parser.add_argument("--no_ssh", action="store_true", help="each machine runs this command itself")
+    parser.add_argument("--no_ssh_check", action="store_true", help="accepted; zerodp never checks ssh")
+    parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
+    parser.add_argument("--module", action="store_true", help="run the script as a module (python -m)")
+    parser.add_argument("--no_python", action="store_true", help="run the script as an executable, not with python")
+    parser.add_argument("--log_level", default=None, help="zerodp's log level for the workers (ZERODP_LOG_LEVEL)")
+    for flag in _DEEPSPEED_ONLY_SWITCHES:
+        parser.add_argument(f"--{flag}", action="store_const", const=True, default=None, help=argparse.SUPPRESS)
+    for flag in _DEEPSPEED_ONLY_OPTIONS:
+        parser.add_argument(f"--{flag}", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("script", help="the training script (or module with --module)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def hostfile_slots(path: str) -> list[tuple[str, int]]:
+    """(host, slots) for each line of a DeepSpeed hostfile (`host slots=N`, # comments). ValueError
+    naming the file and line for anything else."""
+    hosts = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            host, _, slots = line.partition(" slots=")
+            if not slots.strip().isdigit() or " " in host.strip():
+                raise ValueError(f"{path}:{number}: {line!r} is not a hostfile line ('hostname slots=N')")
+            hosts.append((host.strip(), int(slots)))
+    return hosts
+
+
+def deepspeed_torchrun_argv(argv: list[str], cuda_devices: int = 0) -> list[str]:
+    """torchrun's arguments for `zerodp deepspeed ARGV` (DeepSpeed's launcher flags).
+
+    --num_gpus -> --nproc-per-node (default: `cuda_devices`, or 1), --num_nodes / --node_rank /
+    --master_addr / --master_port -> torchrun's, --module / --no_python -> torchrun's; the script gets
+    `--local_rank=N` first (as DeepSpeed's launcher passes it) unless --no_local_rank. Several machines
+    need --no_ssh (zerodp runs on each machine, it does not ssh); a flag for a DeepSpeed-only mechanism
+    is refused by name. ValueError for both."""
+    args = _deepspeed_parser().parse_args(argv)
+    refused = [f"--{flag}" for flag in _DEEPSPEED_ONLY_FLAGS if getattr(args, flag) is not None]
+    if refused:
+        raise ValueError(f"zerodp deepspeed does not support {', '.join(refused)}: DeepSpeed-only launcher mechanisms "
+                         "(pdsh/ssh host selection, core binding, autotuning) that torchrun does not have; "
+                         "remove them (on several machines, run it on each one with --no_ssh)")
+    nproc = args.num_gpus or cuda_devices or 1
+    if args.hostfile is not None:
+        hosts = hostfile_slots(args.hostfile)
+        if len(hosts) > 1 and not args.no_ssh:
+            raise ValueError(f"zerodp deepspeed: {args.hostfile} lists {len(hosts)} hosts, and zerodp does not ssh "
+                             "into hosts: run `zerodp deepspeed --no_ssh --num_nodes N --node_rank R --master_addr "
+                             "HOST0 ...` on each host")
+        nproc = args.num_gpus or (hosts[0][1] if hosts else nproc)
+    if args.num_nodes > 1 and not args.no_ssh:
+        raise ValueError(f"zerodp deepspeed: --num_nodes {args.num_nodes} needs --no_ssh with --node_rank and "
+                         "--master_addr on each machine (zerodp does not ssh into hosts)")
+    torchrun = [f"--nproc-per-node={nproc}"]
+    if args.num_nodes > 1:
+        torchrun += [f"--nnodes={args.num_nodes}", f"--node-rank={args.node_rank}"]
+    torchrun += [f"--master-addr={args.master_addr}"] if args.master_addr else []
+    torchrun += [f"--master-port={args.master_port}"] if args.master_port else []
+    torchrun += ["--module"] if args.module else []
+    torchrun += ["--no-python"] if args.no_python else []
+    from torch.distributed.elastic.utils.api import macros
+
+    local_rank = [] if args.no_local_rank else [f"--local_rank={macros.local_rank}"]
+    return torchrun_argv([*torchrun, args.script, *local_rank, *args.script_args])
+
+
+def launch_deepspeed(argv: list[str]) -> int:
+    """`zerodp deepspeed ARGV`: DeepSpeed's launcher flags (see `deepspeed_torchrun_argv`), run by torchrun."""
+    import torch
+
+    log_level = _deepspeed_parser().parse_known_args(argv)[0].log_level
+    if log_level:
+        os.environ.setdefault("ZERODP_LOG_LEVEL", log_level.upper())
+    return launch(deepspeed_torchrun_argv(argv, torch.cuda.device_count()))

@@ -57,7 +57,8 @@ ELEMENTWISE_OPTIMIZERS = frozenset(
     {"SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adadelta", "ASGD"}
 )
 """torch optimizers whose update of an element depends only on that element's history, so running
-them on a shard is exact. Others need `zero_allow_untested_optimizer: true`."""
+them on a shard is exact. Another class may say it is one with a class attribute
+`zerodp_elementwise = True`; the rest need `zero_allow_untested_optimizer: true`."""
 
 MAX_BUCKETS_IN_FLIGHT = 2
 """Stage 2 buckets being reduced at once (double buffering, as DeepSpeed's overlap_comm)."""
@@ -407,7 +408,8 @@ class Stage2(Stage12):
 def check_elementwise(optimizer: torch.optim.Optimizer, config) -> None:
     """Refuse optimizers that would compute whole-tensor statistics over a shard."""
     name = type(optimizer).__name__
-    if name in ELEMENTWISE_OPTIMIZERS or config.zero_allow_untested_optimizer:
+    if name in ELEMENTWISE_OPTIMIZERS or getattr(type(optimizer), "zerodp_elementwise", False) is True \
+            or config.zero_allow_untested_optimizer:
         return
     raise ValueError(
         f"{name} cannot run on ZeRO stage {config.zero_optimization.stage}'s owned shards: each rank updates "

@@ -1,0 +1,33 @@
+"""DeepSpeed's `deepspeed` package over zerodp: what `import deepspeed` is with ZERODP_AS_DEEPSPEED=1.
+
+    ZERODP_AS_DEEPSPEED=1 python train.py       # or: zerodp run / zerodp deepspeed train.py
+
+Each module here mirrors the DeepSpeed module of the same path and forwards to zerodp's own modules
+(`deepspeed.initialize` is `zerodp.initialize`, `deepspeed.zero.Init` is `zerodp.zero.Init`, ...).
+A name DeepSpeed has and this package does not raises an error naming the DeepSpeed path
+(_zerodp_as_deepspeed.NotProvidedByZerodp / AttributeNotProvided); docs/deepspeed.md lists the surface.
+`import zerodp as deepspeed` keeps working without the switch.
+"""
+
+from _zerodp_as_deepspeed import DEEPSPEED_API_VERSION, version
+
+from zerodp import initialize
+from zerodp.compat.deepspeed import (accelerator, checkpoint, comm, compression, launcher, moe, ops, runtime,
+                                     utils)
+from zerodp.compat.deepspeed._missing import missing_attributes
+from zerodp.compat.deepspeed.accelerator import get_accelerator
+from zerodp.compat.deepspeed.comm import init_distributed
+from zerodp.compat.deepspeed.runtime import zero
+from zerodp.compat.deepspeed.runtime.activation_checkpointing import checkpointing
+from zerodp.compat.deepspeed.runtime.engine import DeepSpeedEngine
+from zerodp.config import ConfigError as DeepSpeedConfigError
+from zerodp.config import add_config_arguments
+from zerodp.log import logger
+
+__version__ = version()
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPSPEED_API_VERSION.split("."))
+
+__all__ = ["DeepSpeedConfigError", "DeepSpeedEngine", "__version__", "accelerator", "add_config_arguments",
+           "checkpoint", "checkpointing", "comm", "compression", "get_accelerator", "init_distributed", "initialize",
+           "launcher", "logger", "moe", "ops", "runtime", "utils", "zero"]
+__getattr__ = missing_attributes(__name__)

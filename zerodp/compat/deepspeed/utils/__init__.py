@@ -1,0 +1,21 @@
+"""`deepspeed.utils`: the logger, `log_dist`, `set_z3_leaf_modules` and zero_to_fp32."""
+
+from __future__ import annotations
+
+import logging
+
+from zerodp import comm
+from zerodp.compat.deepspeed._missing import missing_attributes
+from zerodp.compat.deepspeed.utils import module_utils, zero_to_fp32
+from zerodp.log import logger
+from zerodp.zero import set_z3_leaf_modules
+
+
+def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
+    """Log `message` with zerodp's logger on the ranks in `ranks` (DeepSpeed: None or [-1] = every rank)."""
+    if ranks is None or -1 in ranks or comm.get_rank() in ranks:
+        logger.log(level, "[Rank %d] %s", comm.get_rank(), message)
+
+
+__all__ = ["log_dist", "logger", "module_utils", "set_z3_leaf_modules", "zero_to_fp32"]
+__getattr__ = missing_attributes(__name__)
