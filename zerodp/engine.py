@@ -69,6 +69,10 @@ class Engine(nn.Module):
         self._step_started = time.perf_counter()
         self.last_metrics: dict[str, Any] = {}
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
+        self._in_backward = False  # inside engine.backward (its loss is already divided and scaled)
+        self._manual_scales = 0  # engine.scale(loss) calls since the last step, for loss.backward()
+        strategy.implicit_backward_boundary = lambda: self.is_gradient_accumulation_boundary() and not self._no_sync
+        _clear_strategy_grads_on_module_zero_grad(module, self)
 
     # --- DeepSpeed's accessors ----------------------------------------------------------------
 
@@ -195,7 +199,20 @@ class Engine(nn.Module):
             out = self.module(*args, **kwargs)
         if saved.total > sum(self._saved_peak.values()):
             self._saved_peak = dict(saved.bytes_by_tier)
+        if self.config.gradient_accumulation_steps > 1 and torch.is_grad_enabled():
+            self._divide_direct_backward_by_accumulation(out)
         return out
+
+    def _divide_direct_backward_by_accumulation(self, out: Any) -> None:
+        """Make `loss.backward()` on this forward's output divide by the accumulation steps, as
+        engine.backward does (DeepSpeed's behaviour): a hook on the scalar outputs (the losses), or on
+        every output when there is none (a loss computed outside the model). Not on both: a loss
+        computed from the logits inside the model would be divided twice."""
+        tensors = [t for t in _tensors_in(out) if t.requires_grad]
+        scalars = [t for t in tensors if t.numel() == 1]
+        gas = self.config.gradient_accumulation_steps
+        for t in scalars or tensors:
+            t.register_hook(lambda grad: grad if self._in_backward else grad / gas)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of `loss` / gradient_accumulation_steps x loss scale; returns the loss divided by
@@ -209,11 +226,27 @@ class Engine(nn.Module):
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._num_losses += 1
         with self.timers("bwd"), self._explained_errors():
-            self.strategy.before_backward(boundary)
+            self.strategy.begin_backward(boundary)
             to_backward = scaled * self.loss_scaler.loss_scale if self.loss_scaler.loss_scale != 1.0 else scaled
-            to_backward.backward(retain_graph=retain_graph)
-            self.strategy.after_backward(boundary)
+            self._in_backward = True
+            try:
+                to_backward.backward(retain_graph=retain_graph)
+            except BaseException:
+                self.strategy.backward_open = False
+                raise
+            finally:
+                self._in_backward = False
+            self.strategy.end_backward(boundary)
         return scaled
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the current loss scale, for a `loss.backward()` of your own on an fp16 engine
+        (DeepSpeed's `engine.scale(loss).backward()`); bf16 and fp32 engines return `loss` itself."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            raise ValueError(f"engine.scale expects a scalar loss tensor with a graph, got {_describe(loss)}")
+        self._manual_scales += 1
+        scale = self.loss_scaler.loss_scale
+        return loss * scale if scale != 1.0 else loss
 
     @contextmanager
     def _explained_errors(self) -> Iterator[None]:
@@ -241,6 +274,11 @@ class Engine(nn.Module):
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        if self.config.fp16.enabled and self.strategy.implicit_backwards > self._manual_scales:
+            raise RuntimeError(
+                "loss.backward() was called on an fp16 engine without the loss scale: fp16 gradients need it to "
+                "stay finite, and the step divides them by it. Call engine.backward(loss), or "
+                "engine.scale(loss).backward(). (bf16 and fp32 engines accept a plain loss.backward().)")
         self.strategy.finish_reduction()
         overflow = self.check_overflow and self.strategy.found_overflow()
         scale = self.loss_scaler.loss_scale
@@ -255,7 +293,7 @@ class Engine(nn.Module):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self._step_applied = not overflow
-        self.strategy.zero_grad()
+        self.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
         comm.ledger.end_step()
@@ -296,8 +334,10 @@ class Engine(nn.Module):
             log_rank0(format_memory(self.memory_report()))
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients (the boundary step already does this)."""
+        """Drop accumulated gradients (the boundary step already does this; `engine.module.zero_grad()`
+        does it too)."""
         self.strategy.zero_grad()
+        self.strategy.implicit_backwards = self._manual_scales = 0
 
     # --- data and reports ---------------------------------------------------------------------
 
@@ -397,6 +437,31 @@ class Engine(nn.Module):
         ledger = comm.ledger
         return {"last_step": comm.comm_report(ledger.last_step), "init": comm.comm_report(ledger.init),
                 "one_off": comm.comm_report(ledger.one_off)}
+
+
+def _clear_strategy_grads_on_module_zero_grad(module: nn.Module, engine: Engine) -> None:
+    """`module.zero_grad()` also drops the gradients the strategy accumulated in its own buffers, as
+    it drops `.grad` in plain PyTorch (a GAN script zeroes the discriminator's gradients, which the
+    generator's backward produced, with `netD.zero_grad()`)."""
+    module_zero_grad = module.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        module_zero_grad(set_to_none)
+        engine.zero_grad()
+
+    module.zero_grad = zero_grad
+
+
+def _tensors_in(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a forward's output (tensors, and tuples, lists and dicts of them)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            yield from _tensors_in(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from _tensors_in(item)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

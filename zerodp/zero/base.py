@@ -64,6 +64,42 @@ class Strategy(abc.ABC):
         zero = config.zero_optimization
         self.home = Home.for_section(device, zero.offload_optimizer)  # masters, optimizer state, grad shards
         self.param_home = Home.for_section(device, zero.offload_param)  # stage-3 parameter shards
+        self.backward_open = False  # between before_backward and after_backward of one backward pass
+        self.implicit_backwards = 0  # backward passes opened by a hook since the last zero_grad
+        self.implicit_backward_boundary: Callable[[], bool] = lambda: True  # the engine replaces it
+
+    # [Note: backward passes the engine did not start]
+    # A backward can reach this strategy's hooks without engine.backward(): the user's own
+    # `loss.backward()` followed by `engine.step()` (DeepSpeed supports it), or another engine's loss
+    # running through this model (a GAN's generator loss through the discriminator). The first hook
+    # of such a pass opens it as engine.backward would (before_backward with the engine's current
+    # boundary) and queues after_backward to run when autograd finishes the pass, so buckets restart
+    # and gradients accumulate instead of tripping over the last pass's state. Ranks run the same
+    # passes, so any collective the pass launches is paired. (The engine's forward divides such a pass
+    # by the accumulation steps; an fp16 engine refuses to step on it without engine.scale(loss).)
+    # Not covered: a direct loss.backward() whose first hook fires inside a reentrant checkpoint's
+    # inner backward would close the pass when that inner backward ends.
+
+    def begin_backward(self, boundary: bool) -> None:
+        """Open a backward pass (engine.backward, or the first hook of a pass it did not start)."""
+        self.backward_open = True
+        self.before_backward(boundary)
+
+    def end_backward(self, boundary: bool) -> None:
+        """Close the open backward pass."""
+        try:
+            self.after_backward(boundary)
+        finally:
+            self.backward_open = False
+
+    def entering_backward_hook(self) -> None:
+        """First call of every gradient hook: open a pass the engine did not start (see the Note)."""
+        if self.backward_open:
+            return
+        boundary = self.implicit_backward_boundary()
+        self.begin_backward(boundary)
+        self.implicit_backwards += 1
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.end_backward(boundary))
 
     def note_transient(self, name: str, tensor: torch.Tensor | int) -> None:
         """Record a short-lived buffer's size (a tensor, or bytes) for the ledger's transient peaks."""

@@ -41,9 +41,9 @@ class BucketSequence:
         if self.state[k] is not BucketState.FILLING:
             raise RuntimeError(
                 f"gradient of '{name}' was produced twice in one backward after its bucket was reduced; this "
-                "happens with reentrant activation checkpointing or several backward() calls per micro-batch. "
-                "Use non-reentrant checkpointing (zerodp.checkpointing, or torch.utils.checkpoint(..., "
-                "use_reentrant=False)) or one backward per micro-batch."
+                "happens with reentrant activation checkpointing, whose recomputation runs a backward inside the "
+                "backward. Use non-reentrant checkpointing (zerodp.checkpointing, or torch.utils.checkpoint(..., "
+                "use_reentrant=False))."
             )
         self.num_pending[k] -= 1
         if self.num_pending[k] == 0:

@@ -90,6 +90,7 @@ class Stage0(Strategy):
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook: fold the gradient into the flat buffer, launch ready buckets."""
+        self.entering_backward_hook()
         self.grads.fold(p)
         if not self.boundary:
             return

@@ -175,6 +175,12 @@ class Stage12(Strategy):
     def before_backward(self, boundary: bool) -> None:
         self._stats = None
         self._check_views()
+        if self.num_ranks > 1 and self.groups[0].owned_grad is not None:
+            # A second backward at this step's boundary (two engine.backward calls for one micro-batch, as
+            # DeepSpeed's GAN example makes): the first one's gradients are in the owned shards, and the
+            # full buffers, divided in place, restart from zero so that they hold only the new ones.
+            for fg in self.groups:
+                fg.flat_grad.zero()
 
     def _check_views(self) -> None:
         """Parameters must still be views of the flat buffers: model.to()/.half()/.float() after
@@ -191,6 +197,7 @@ class Stage12(Strategy):
                     "buffers. Cast or move the model before initialize(), or set the dtype in the config")
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self.entering_backward_hook()
         self.group_of[p].flat_grad.fold(p)
 
     def finish_reduction(self) -> None:
@@ -209,11 +216,12 @@ class Stage12(Strategy):
                 fg.owned_grad = full
                 continue
             full.mul_(1.0 / self.num_ranks)  # mean, divided before the sum as DDP does
-            fg.owned_grad = torch.empty(fg.layout.shard_numel, dtype=full.dtype, device=full.device)
-            self.note_transient("reduced_grad_shard", fg.owned_grad)
-            works.append(comm.reduce_scatter_tensor(fg.owned_grad, full, async_op=True))
-        for work in works:
+            shard = torch.empty(fg.layout.shard_numel, dtype=full.dtype, device=full.device)
+            self.note_transient("reduced_grad_shard", shard)
+            works.append((fg, shard, comm.reduce_scatter_tensor(shard, full, async_op=True)))
+        for fg, shard, work in works:
             work.wait()
+            fg.owned_grad = shard if fg.owned_grad is None else fg.owned_grad.add_(shard)  # see before_backward
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -353,6 +361,7 @@ class Stage2(Stage12):
         self.sequence.reset()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self.entering_backward_hook()
         self.sequence.grad_ready(self.bucket_of[p], self.names.get(p, "?"))
 
     def _launch(self, fg: FlatGroup, bucket: Bucket) -> None:

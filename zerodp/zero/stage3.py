@@ -310,6 +310,7 @@ class Stage3(Strategy):
             unit.grads_pending = len(unit.trainable.params) if unit.trainable is not None else 0
 
     def _pre_backward(self, unit: Unit, grad) -> None:
+        self.entering_backward_hook()
         following = self.trace.visit("backward", unit.index)
         self._gather(unit)
         if following:
@@ -320,6 +321,7 @@ class Stage3(Strategy):
         self._release_if_done(unit)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self.entering_backward_hook()
         unit = self.unit_of[p]
         unit.grads_pending -= 1
         self.sequence.grad_ready(self.reduce_slot[unit], self.names.get(p, "?"))
