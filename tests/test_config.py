@@ -476,8 +476,6 @@ def test_stage3_aliases(short: str, long: str, value: object) -> None:
 @pytest.mark.parametrize("config, expected", [
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
      "fp16.enabled, bf16.enabled: both are true; enable one of them"),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-     "zero_optimization.offload_param: parameter offload needs ZeRO stage 3 (zero_optimization.stage is 2)"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
      "zero_optimization.offload_optimizer.ratio: 0.5 is not supported by zerodp (partial offload (ratio < 1)"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
@@ -832,3 +830,20 @@ def test_add_config_arguments() -> None:
     old = parser.parse_args(["--deepscale", "--deepscale_config", "old.json"])
     assert old.deepscale is True and old.deepscale_config == "old.json" and old.deepspeed is False
     assert parser.parse_args([]).deepspeed_config is None
+
+
+def test_offload_param_below_stage_3_has_no_effect_and_says_so(fresh_warnings: None,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    # DeepSpeed ignores it there, and DeepSpeed-Chat sets it with --offload at every stage
+    zero = ok({"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme"},
+                                     "offload_optimizer": {"device": "cpu"}}}).zero_optimization
+    assert zero.offload_param is None and zero.offload_optimizer.device == "cpu"
+    assert ('zero_optimization.offload_param: "device": "nvme" has no effect below ZeRO stage 3 (stage is 2)'
+            in caplog.text)
+
+
+def test_steps_per_print_infinity_means_never() -> None:
+    # accelerate writes steps_per_print = float("inf"); json.dumps writes it as Infinity
+    assert ok({"steps_per_print": float("inf")}).steps_per_print is None
+    assert load_config(json.dumps({TRAIN: 1, "steps_per_print": float("inf")}), world_size=1).steps_per_print is None
+    assert one_problem({TRAIN: 1, "steps_per_print": float("-inf")}) == "steps_per_print: got -Infinity; expected an integer"

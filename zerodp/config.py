@@ -801,6 +801,13 @@ def load_config(config: Any = None, *, args: Any = None, world_size: int | None 
 
 
 def _finish(cfg: ZeroDPConfig, batch: BatchMath, raw: dict[str, Any]) -> ZeroDPConfig:
+    zero = cfg.zero_optimization
+    if zero.stage < 3 and zero.offload_param is not None:
+        if zero.offload_param.device != "none":  # DeepSpeed-Chat sets it with --offload at every stage
+            warn_once(f'zero_optimization.offload_param: "device": "{zero.offload_param.device}" has no effect below '
+                      f"ZeRO stage 3 (stage is {zero.stage}): parameters stay on the device, as in DeepSpeed; "
+                      "offload_optimizer moves the optimizer state")
+        zero.offload_param = None
     cfg.train_batch_size = batch.train_batch_size
     cfg.train_micro_batch_size_per_gpu = batch.micro_batch_size
     cfg.gradient_accumulation_steps = batch.gradient_accumulation_steps

@@ -86,13 +86,10 @@ def _offload_rules(cfg: ZeroDPConfig) -> list[str]:
     zero, problems = cfg.zero_optimization, []
     param, opt = zero.offload_param, zero.offload_optimizer
     where = "zero_optimization"
-    if param is not None and param.device != "none" and zero.stage != 3:
-        problems.append(f"{where}.offload_param: parameter offload needs ZeRO stage 3 "
-                        f"({where}.stage is {zero.stage}); set stage 3 or remove offload_param")
     if opt is not None and opt.device != "none" and zero.stage == 0:
         problems.append(f"{where}.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3 "
                         f"({where}.stage is 0)")
-    for name, section in (("offload_param", param), ("offload_optimizer", opt)):
+    for name, section in (("offload_param", param if zero.stage == 3 else None), ("offload_optimizer", opt)):
         if section is not None and section.device == "nvme" and not section.nvme_path:
             problems.append(f'{where}.{name}.nvme_path: required when device is "nvme" '
                             "(a directory on the NVMe drive)")

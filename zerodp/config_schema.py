@@ -38,6 +38,11 @@ def _whole_float_to_int(value: Any) -> Any:
     return value
 
 
+def _infinity_is_never(value: Any) -> Any:
+    """steps_per_print: Infinity (accelerate writes float("inf")) means never, as None does."""
+    return None if isinstance(value, float) and value == float("inf") else value
+
+
 def _lower(value: Any) -> Any:
     """DeepSpeed lower-cases these names before comparing them; so do we."""
     return value.lower() if isinstance(value, str) else value
@@ -449,7 +454,7 @@ class ZeroDPConfig(Section):
     dataloader_drop_last: bool = False
 
     # Logging and diagnostics
-    steps_per_print: Optional[Int] = Field(None, gt=0)  # [changed] [docs vs code] docs still say 10
+    steps_per_print: Annotated[Optional[Int], BeforeValidator(_infinity_is_never)] = Field(None, gt=0)  # [changed] [docs vs code] docs still say 10; Infinity = never
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     dump_state: bool = False
