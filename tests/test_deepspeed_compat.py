@@ -323,3 +323,40 @@ def test_no_zerodp_module_imports_the_compatibility_package() -> None:
                  if "compat" not in path.relative_to(REPO / "zerodp").parts
                  and ("zerodp.compat" in path.read_text() or "_zerodp_as_deepspeed" in path.read_text())]
     assert offenders == []
+
+
+def _engine_surface(rank: int, world: int) -> dict:
+    import zerodp
+
+    model = make_model()
+    model.greeting = lambda: "from the module"
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine, *_ = zerodp.initialize(model=model, config=config)
+    for step in range(3):
+        engine.backward(engine(*batch(rank, step, 0)))
+        engine.step()
+    try:
+        engine.no_such_thing
+    except AttributeError as err:
+        missing = str(err)
+    full = engine._zero3_consolidated_16bit_state_dict()
+    with zerodp.zero.GatheredParameters(list(model.parameters())):
+        expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"greeting": engine.greeting(), "fc1": engine.fc1 is model.fc1, "missing": missing,
+            "stage": engine.config.get("zero_optimization", {}).get("stage"), "item": engine.config["train_batch_size"],
+            "absent": engine.config.get("no_such_key", "default"), "gather_on_save": engine.zero_gather_16bit_weights_on_model_save(),
+            "tput": engine.tput_timer.avg_samples_per_sec(), "steps": engine.tput_timer.global_step_count,
+            "full_matches": None if full is None else all(torch.equal(full[n], expected[n]) for n in expected),
+            "full_keys": None if full is None else sorted(full)}
+
+
+def test_the_engine_answers_what_deepspeed_s_engine_does() -> None:
+    results = run_ranks(_engine_surface, 2)
+    for rank, r in enumerate(results):
+        assert (r["greeting"], r["fc1"], r["stage"], r["item"], r["absent"], r["gather_on_save"], r["steps"]) == (
+            "from the module", True, 3, 8, "default", False, 3)
+        assert r["missing"] == "neither the engine nor its module (TiedMLP) has an attribute 'no_such_thing'"
+        assert r["tput"] > 0
+    assert results[0]["full_matches"] is True and "head.weight" in results[0]["full_keys"]  # tied names kept
+    assert results[1]["full_matches"] is None  # None off rank 0, as DeepSpeed

@@ -517,6 +517,19 @@ class ZeroDPConfig(Section):
                              "zerodp.config.load_config(config, world_size=...)")
         return self._batch
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """DeepSpeed's `engine.config.get(key)` (transformers' Trainer reads
+        `engine.config.get("zero_optimization", {}).get("stage")`): the resolved config as JSON, by
+        DeepSpeed's key names; sections are dicts."""
+        return self.model_dump(mode="json", exclude_none=True).get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        """`engine.config["zero_optimization"]`: as `get`, KeyError when the key is not set."""
+        dumped = self.model_dump(mode="json", exclude_none=True)
+        if key not in dumped:
+            raise KeyError(key)
+        return dumped[key]
+
     @property
     def precision(self) -> str:
         """"bf16" or "fp16" when that section is enabled, else "fp32"."""

@@ -27,7 +27,7 @@ from zerodp.config import ZeroDPConfig
 from zerodp.data import ResumableDistributedSampler
 from zerodp.log import log_rank0
 from zerodp.precision import make_loss_scaler, overflow_message
-from zerodp.timers import Timers
+from zerodp.timers import ThroughputTimer, Timers
 from zerodp.zero.base import Strategy
 
 
@@ -52,6 +52,7 @@ class Engine(nn.Module):
         self.loss_scaler = make_loss_scaler(config.fp16)
         self.check_overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
         self.timers = Timers(synchronize=config.wall_clock_breakdown and strategy.device.type == "cuda")
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -73,6 +74,22 @@ class Engine(nn.Module):
         self._manual_scales = 0  # engine.scale(loss) calls since the last step, for loss.backward()
         strategy.implicit_backward_boundary = lambda: self.is_gradient_accumulation_boundary() and not self._no_sync
         _clear_strategy_grads_on_module_zero_grad(module, self)
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the engine does not have is looked up on the wrapped module, as DeepSpeed's
+        engine does (`engine.generate(...)`, `engine.gradient_checkpointing_enable()`); the engine's own
+        names win (`engine.config` is the training config, not the model's)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name == "module":
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"neither the engine nor its module ({type(module).__name__}) has an "
+                                     f"attribute '{name}'") from None
 
     # --- DeepSpeed's accessors ----------------------------------------------------------------
 
@@ -297,6 +314,7 @@ class Engine(nn.Module):
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
         comm.ledger.end_step()
+        self.tput_timer.step_finished()
         self._record_metrics(scale)
 
     def _record_metrics(self, scale: float) -> None:
@@ -375,6 +393,21 @@ class Engine(nn.Module):
 
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's `stage3_gather_16bit_weights_on_model_save` (DeepSpeed's accessor)."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The full 16-bit state dict of a stage-3 model on rank 0's host, gathered one unit at a time;
+        None on the other ranks (DeepSpeed's method, which accelerate's `get_state_dict` calls). Call
+        it on every rank. ValueError below stage 3."""
+        if self.zero_optimization_stage() != 3:
+            raise ValueError("_zero3_consolidated_16bit_state_dict() needs ZeRO stage 3 "
+                             f"(this engine runs stage {self.zero_optimization_stage()}); use module.state_dict()")
+        frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        state = self.strategy.gathered_state_dict(keep=(lambda n: n not in frozen) if exclude_frozen_parameters else None)
+        return state if comm.get_rank() == 0 else None
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
