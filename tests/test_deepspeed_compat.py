@@ -360,3 +360,24 @@ def test_the_engine_answers_what_deepspeed_s_engine_does() -> None:
         assert r["tput"] > 0
     assert results[0]["full_matches"] is True and "head.weight" in results[0]["full_keys"]  # tied names kept
     assert results[1]["full_matches"] is None  # None off rank 0, as DeepSpeed
+
+
+def _init_with_autos(rank: int, world: int, config: dict) -> list[str]:
+    import zerodp
+
+    with zerodp.zero.Init(config_dict_or_path=config):
+        model = make_model()
+    return sorted({str(p._zerodp_init_shard.dtype) for p in model.parameters()})
+
+
+def test_zero_init_reads_only_the_precision_of_a_config_that_still_holds_autos() -> None:
+    # what transformers passes before its Trainer resolves the batch and bucket sizes
+    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}}
+    assert run_ranks(_init_with_autos, 2, args=(config,)) == [["torch.bfloat16"]] * 2
+    from zerodp.config import ConfigError, precision_of
+
+    assert precision_of({"fp16": {"enabled": True}, "train_batch_size": "auto"}) == "fp16"
+    assert precision_of({"bfloat16": {"enabled": True}}) == "bf16" and precision_of({}) == "fp32"
+    with pytest.raises(ConfigError, match=r'bf16.enabled: "auto" must be resolved before zero.Init reads the precision'):
+        precision_of({"bf16": {"enabled": "auto"}})

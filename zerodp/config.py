@@ -800,6 +800,29 @@ def load_config(config: Any = None, *, args: Any = None, world_size: int | None 
     return _finish(cfg, batch, raw)
 
 
+def precision_of(config: Any) -> str:
+    """"bf16", "fp16" or "fp32" from a config's precision sections only (a dict, path, JSON string or
+    ZeroDPConfig), for `zero.Init`, which runs before Hugging Face has resolved the other "auto" values.
+    ConfigError when an `enabled` is "auto" or not a boolean, or both are true."""
+    raw, source, parsed = _read_input(config, None)
+    if parsed is not None:
+        return parsed.precision
+    enabled, problems = {}, []
+    for name, section in (("fp16", raw.get("fp16")), ("bf16", raw.get("bf16", raw.get("bfloat16")))):
+        value = section.get("enabled", False) if isinstance(section, Mapping) else False
+        if value == "auto":
+            problems.append(f'{name}.enabled: "auto" must be resolved before zero.Init reads the precision '
+                            "(Hugging Face's TrainingArguments resolve it from --bf16 / --fp16); set true or false")
+        elif not isinstance(value, bool):
+            problems.append(f"{name}.enabled: got {value!r}; expected true or false")
+        enabled[name] = value is True
+    if enabled["fp16"] and enabled["bf16"]:
+        problems.append("fp16.enabled, bf16.enabled: both are true; enable one of them")
+    if problems:
+        raise ConfigError(problems, source)
+    return "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
+
+
 def _finish(cfg: ZeroDPConfig, batch: BatchMath, raw: dict[str, Any]) -> ZeroDPConfig:
     zero = cfg.zero_optimization
     if zero.stage < 3 and zero.offload_param is not None:

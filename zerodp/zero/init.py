@@ -224,11 +224,12 @@ class GatheredParameters:
 
 
 def _config_dtype(config: Any) -> torch.dtype | None:
-    """bf16 / fp16 from a config (dict, path, JSON string or ZeroDPConfig), else None."""
-    from zerodp.config import load_config
+    """bf16 / fp16 from a config (dict, path, JSON string or ZeroDPConfig), else None. Only the
+    precision sections are read: Hugging Face builds models under zero.Init with a config whose
+    other "auto" values it resolves later."""
+    from zerodp.config import precision_of
 
-    cfg = load_config(config, world_size=comm.get_world_size())
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_of(config))
 
 
 def _subclasses(cls: type) -> set[type]:
