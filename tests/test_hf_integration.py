@@ -1,0 +1,54 @@
+"""Hugging Face Trainer and accelerate run on zerodp with ZERODP_AS_DEEPSPEED=1 and no other change.
+
+The jobs are ordinary user scripts (tests/scripts/), run with the real transformers, peft and
+accelerate from the package registry on tiny models built from configs (no hub downloads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+for _library in ("transformers", "peft", "accelerate"):
+    pytest.importorskip(_library, reason=f"{_library} is a test dependency (pip install -e '.[test]')")
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "tests" / "scripts"
+
+
+def _launch(command: list[str], cwd: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "ZERODP_AS_DEEPSPEED": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+    out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith('{"')]
+    return json.loads(line)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_with_lora_bf16_resumes_bitwise_and_saves_what_it_trained(tmp_path: Path, stage: int) -> None:
+    zerodp = [sys.executable, "-c", "from zerodp.cli import main; raise SystemExit(main())"]
+    result = _launch([*zerodp, "run", "--nproc-per-node", "2", str(SCRIPTS / "hf_trainer.py"), str(stage), str(tmp_path)],
+                     tmp_path)
+    assert len(result["losses"]) == 4 and result["resumed_losses"] == result["losses"][2:]
+    assert result["resumed_bitwise"] and result["num_lora"] == 4
+    assert result["eval_loss"] < result["losses"][0]
+    assert "adapter_model.safetensors" in result["saved"] and result["saved_matches"]
+    assert {"config.json", "model.safetensors"} <= set(result["saved_full"]) and result["saved_full_matches"]
+
+
+def test_an_accelerate_deepspeed_loop_at_stage_3(tmp_path: Path) -> None:
+    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
+    result = _launch([accelerate, "launch", "--use_deepspeed", "--zero_stage", "3", "--num_processes", "2",
+                      "--mixed_precision", "bf16", "--zero3_save_16bit_model", "true",
+                      "--gradient_accumulation_steps", "1", str(SCRIPTS / "accelerate_loop.py"), str(tmp_path)], tmp_path)
+    assert result["engine"] == "zerodp.engine"
+    assert result["after_load"] == result["after_save"]  # save_state / load_state round trip, bitwise
+    assert result["state_matches"] and result["state_keys"] == 29
+    assert "pytorch_model" in result["saved"] and "latest" in result["saved"]
