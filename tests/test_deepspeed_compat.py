@@ -381,3 +381,49 @@ def test_zero_init_reads_only_the_precision_of_a_config_that_still_holds_autos()
     assert precision_of({"bfloat16": {"enabled": True}}) == "bf16" and precision_of({}) == "fp32"
     with pytest.raises(ConfigError, match=r'bf16.enabled: "auto" must be resolved before zero.Init reads the precision'):
         precision_of({"bf16": {"enabled": "auto"}})
+
+
+def _ds_attributes(rank: int, world: int) -> dict:
+    import zerodp
+    from zerodp.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    with zerodp.zero.Init(config=config):
+        model = make_model()
+    w = model.fc1.weight
+    at_init = (w.ds_status, w.ds_tensor.numel(), w.ds_shape, hasattr(w, "ds_id"))
+    with zerodp.zero.GatheredParameters([w]):
+        during = w.ds_status
+    engine, *_ = zerodp.initialize(model=model, config=config)
+    engine.backward(engine(*batch(rank, 0, 0)))
+    engine.step()
+    ids = [p.ds_id for p in model.parameters()]
+    owned = sum(p.ds_tensor.numel() for p in model.parameters())
+    with zerodp.zero.GatheredParameters(list(model.parameters())):
+        gathered = {p.ds_status for p in model.parameters()}
+    return {"init": at_init, "during": during, "after": {p.ds_status for p in model.parameters()}, "gathered": gathered,
+            "unique_ids": len(set(ids)) == len(ids), "owned": owned,
+            "total": sum(p.ds_numel for p in model.parameters()), "enum": ZeroParamStatus.AVAILABLE in gathered}
+
+
+def test_stage_3_parameters_carry_deepspeed_s_attributes() -> None:
+    # TRL and DeepSpeed-Chat decide what to gather from ds_id / ds_status
+    from zerodp.zero.units import ZeroParamStatus as S
+
+    results = run_ranks(_ds_attributes, 2)
+    for r in results:
+        assert r["init"] == (S.NOT_AVAILABLE, 16 * 64 // 2, torch.Size([64, 16]), True) and r["during"] is S.AVAILABLE
+        assert r["after"] == {S.NOT_AVAILABLE} and r["gathered"] == {S.AVAILABLE} and r["unique_ids"] and r["enum"]
+    # the ranks' ds_tensors together hold every element once (padding aside)
+    assert sum(r["owned"] for r in results) == results[0]["total"]
+
+
+def test_parameters_partitioned_by_a_real_deepspeed_are_refused() -> None:
+    import zerodp
+
+    model = make_model()
+    model.fc1.weight.ds_id = 7  # what DeepSpeed's zero.Init leaves on a parameter
+    with pytest.raises(ValueError, match=r"'fc1.weight'\) were partitioned by DeepSpeed's own zero.Init"):
+        zerodp.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})

@@ -97,6 +97,13 @@ def _warn_if_slow_offloaded_optimizer(strategy) -> None:
 def _check_partitioning(model: nn.Module, cfg: ZeroDPConfig) -> None:
     from zerodp.zero import is_partitioned
 
+    foreign = [n for n, p in model.named_parameters() if hasattr(p, "ds_id") and not is_partitioned(p)]
+    if foreign:
+        raise ValueError(
+            f"{len(foreign)} parameters (e.g. '{foreign[0]}') were partitioned by DeepSpeed's own zero.Init (they "
+            "have DeepSpeed's ds_id, and zerodp did not partition them): zerodp cannot read DeepSpeed's partitions. "
+            "Build the model under zerodp.zero.Init, or run with ZERODP_AS_DEEPSPEED=1 so that deepspeed.zero.Init "
+            "is zerodp's")
     partitioned = [n for n, p in model.named_parameters() if is_partitioned(p)]
     if partitioned and cfg.zero_optimization.stage != 3:
         raise ValueError(

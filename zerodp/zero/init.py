@@ -13,7 +13,7 @@ Inside `Init`, every `nn.Module` subclass's `__init__` is wrapped: when the oute
 a module returns, its parameters are broadcast from rank 0 (so every rank holds the same values
 whatever its random state), each rank keeps its equal share of each parameter (padded to a
 multiple of the world size, as zero/layout.py pads) and `param.data` becomes an empty tensor
-(`param.ds_shape` keeps the shape). At most one module's own parameters exist in full at a time.
+(`param.ds_shape` keeps the shape; `ds_id`, `ds_status`, `ds_tensor` are DeepSpeed's attributes too). At most one module's own parameters exist in full at a time.
 `module.apply(fn)` and the `torch.nn.init` functions (weight initialisation after construction, on
 parameters already partitioned) gather the parameters they touch and keep rank 0's result. `zerodp.initialize` regroups these per-parameter shards into
 its units one unit at a time.
@@ -29,7 +29,7 @@ from torch import nn
 
 from zerodp import comm
 from zerodp.zero.layout import group_layout
-from zerodp.zero.units import Unit, UnitState
+from zerodp.zero.units import Unit, UnitState, ZeroParamStatus, mark_partitioned
 
 _active: list["Init"] = []  # the Init contexts entered, innermost last
 
@@ -125,7 +125,7 @@ class Init:
             real = full[start:stop]
             shard[: real.numel()].copy_(real)
             self._count(shard.numel() * shard.element_size() - p.numel() * p.element_size())
-            p.ds_shape, p.ds_numel = p.shape, p.numel()
+            mark_partitioned(p, shard)
             p._zerodp_init_shard = shard
             p.data = torch.empty(0, dtype=dtype, device=self.device)
 
@@ -192,6 +192,7 @@ class GatheredParameters:
                 unit = getattr(p, "_zerodp_unit", None)
                 if unit is None:
                     p.data = gather_init_param(p)
+                    p.ds_status = ZeroParamStatus.AVAILABLE
                 elif unit not in self.units:
                     self.units[unit] = unit.state is UnitState.SHARDED
                     unit.gather()
@@ -218,6 +219,7 @@ class GatheredParameters:
         if self.modifier_rank is not None:
             _init_shard_from(p, full)
         p.data = torch.empty(0, dtype=full.dtype, device=full.device)
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ persistent unit, which saves a collective per tiny tensor.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from enum import Enum
 
@@ -47,6 +48,39 @@ class UnitState(Enum):
     SHARDED = "sharded"  # only the owned shards are held; the full buffers' storage is freed
     GATHERING = "gathering"  # all-gathers into the full buffers are in flight (a prefetch)
     GATHERED = "gathered"  # params are views of the full buffers, readable and differentiable
+
+
+class ZeroParamStatus(Enum):
+    """`param.ds_status` of a stage-3 parameter, with DeepSpeed's names and values: code written for
+    DeepSpeed (TRL, DeepSpeed-Chat) reads it to decide what to gather."""
+
+    AVAILABLE = 1  # the full value is present (its unit is GATHERED)
+    NOT_AVAILABLE = 2  # only shards are held (SHARDED)
+    INFLIGHT = 3  # being gathered (GATHERING)
+
+
+_PARAM_STATUS = {UnitState.SHARDED: ZeroParamStatus.NOT_AVAILABLE, UnitState.GATHERING: ZeroParamStatus.INFLIGHT,
+                 UnitState.GATHERED: ZeroParamStatus.AVAILABLE}
+_ds_ids = itertools.count()
+
+
+def mark_partitioned(p: nn.Parameter, shard: torch.Tensor) -> None:
+    """Give a partitioned parameter DeepSpeed's attributes: `ds_id` (unique in the process),
+    `ds_shape` / `ds_numel` (its full shape), `ds_status`, and `ds_tensor` (this rank's elements
+    of it, possibly none)."""
+    if not hasattr(p, "ds_id"):
+        p.ds_id = next(_ds_ids)
+    if not hasattr(p, "ds_shape"):
+        p.ds_shape, p.ds_numel = p.shape, p.numel()
+    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    p.ds_tensor = shard
+
+
+def _owned_part(start: int, numel: int, owned: slice) -> slice:
+    """The part of the shard (`full[owned]`) that holds elements [start, start + numel) of the
+    full buffer: an empty slice when this rank owns none of them."""
+    lo, hi = max(start, owned.start), min(start + numel, owned.stop)
+    return slice(lo - owned.start, max(lo, hi) - owned.start)
 
 
 class FlatShard:
@@ -119,7 +153,7 @@ class Unit:
         self.flats = [f for f in (self.trainable, self.frozen) if f is not None]
         self.numel = sum(f.layout.padded_numel for f in self.flats)
         self.keeps_full = keep_full or not self.flats  # never released
-        self.state = UnitState.GATHERED  # until `shard_from_full` has run
+        self.state = UnitState.GATHERED  # until `shard_from_full` has run (set through _enter)
         self._works: list = []  # all-gathers in flight
         self._reads: list = []  # NVMe parameter offload: shard reads in flight
         self._empty = torch.empty(0, dtype=dtype, device=device)
@@ -139,7 +173,10 @@ class Unit:
             for f in self.flats:
                 if not f.keep_full:
                     f.shard.copy_(f.full[f.owned])
-        self.state = UnitState.GATHERED
+        for f in self.flats:
+            for p, start in zip(f.params, f.layout.offsets):
+                mark_partitioned(p, f.shard[_owned_part(start, p.ds_numel, f.owned)])
+        self._enter(UnitState.GATHERED)
         self.point_params_at_full()
         if not self.keeps_full:
             self.release()
@@ -151,6 +188,13 @@ class Unit:
 
     # --- state transitions -----------------------------------------------------------------------
 
+    def _enter(self, state: UnitState) -> None:
+        self.state = state
+        status = _PARAM_STATUS[state]
+        for f in self.flats:
+            for p in f.params:
+                p.ds_status = status
+
     def start_gather(self) -> None:
         """SHARDED -> GATHERING: launch the all-gathers into re-allocated full buffers (with NVMe
         parameter offload: launch the shards' reads; the all-gathers follow in finish_gather)."""
@@ -159,7 +203,7 @@ class Unit:
         if not self._reads:  # else read ahead already
             self._reads = [f.slot.read() for f in self.flats if f.slot is not None]  # evicted when gathered
         self._works = [] if self._reads else self._launch_all_gathers()
-        self.state = UnitState.GATHERING
+        self._enter(UnitState.GATHERING)
 
     def _launch_all_gathers(self) -> list:
         works = []
@@ -180,7 +224,7 @@ class Unit:
         self._works = []
         self._evict_swapped_shards()
         self.point_params_at_full()
-        self.state = UnitState.GATHERED
+        self._enter(UnitState.GATHERED)
 
     def gather(self) -> None:
         """Make the unit GATHERED from any state (waits for a prefetch in flight)."""
@@ -229,7 +273,7 @@ class Unit:
             for p in f.params:
                 p.data = self._empty
             f.free()
-        self.state = UnitState.SHARDED
+        self._enter(UnitState.SHARDED)
 
     @torch.no_grad()
     def take_values_from(self, src: int) -> None:

@@ -9,7 +9,6 @@ prevent_arange_dtype_change); zerodp's Init does not call the wrapper.
 from __future__ import annotations
 
 import functools
-from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from zerodp.compat.deepspeed._missing import missing_attributes
 from zerodp.compat.deepspeed.accelerator import get_accelerator
 from zerodp.zero import GatheredParameters, Init, register_external_parameter
+from zerodp.zero.units import ZeroParamStatus  # what zerodp's stage-3 parameters carry as ds_status
 
 _orig_torch_tensor = torch.tensor
 _orig_torch_empty = torch.empty
@@ -26,14 +26,6 @@ _orig_torch_full = torch.full
 _orig_torch_arange = torch.arange
 _orig_torch_eye = torch.eye
 _orig_torch_randn = torch.randn
-
-
-class ZeroParamStatus(Enum):
-    """A stage-3 parameter's state, DeepSpeed's values."""
-
-    AVAILABLE = 1  # gathered: the full value is present
-    NOT_AVAILABLE = 2  # partitioned: this rank holds its shard only
-    INFLIGHT = 3  # being gathered
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype | None,
