@@ -52,3 +52,44 @@ def test_an_accelerate_deepspeed_loop_at_stage_3(tmp_path: Path) -> None:
     assert result["after_load"] == result["after_save"]  # save_state / load_state round trip, bitwise
     assert result["state_matches"] and result["state_keys"] == 29
     assert "pytorch_model" in result["saved"] and "latest" in result["saved"]
+
+
+def _train_gpt2(rank: int, world: int, base: str, out: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import zerodp
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine, *_ = zerodp.initialize(model=model, config=config)
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * rank + step))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(os.path.join(out, "ckpt"))
+    engine.save_16bit_model(os.path.join(out, "weights16"), "model.safetensors")
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_converted_and_16bit_weights_load_with_from_pretrained(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from tests.harness import run_ranks
+
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(base)
+    trained = run_ranks(_train_gpt2, 2, args=(str(base), str(tmp_path)))[0]
+    zerodp = [sys.executable, "-c", "from zerodp.cli import main; raise SystemExit(main())"]
+    refused = subprocess.run([*zerodp, "ckpt", "convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"),
+                              "--hf-config", str(tmp_path)], capture_output=True, text=True)
+    assert refused.returncode == 2 and "no config.json there" in refused.stderr and not (tmp_path / "hf").exists()
+    subprocess.run([*zerodp, "ckpt", "convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", str(base)],
+                   check=True, capture_output=True)
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # fp32 masters
+    assert all(torch.equal(p, trained[n]) for n, p in converted.named_parameters())
+    sixteen = AutoModelForCausalLM.from_pretrained(tmp_path / "weights16")  # save_16bit_model wrote config.json
+    assert all(torch.equal(p, trained[n]) for n, p in sixteen.named_parameters())

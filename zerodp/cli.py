@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--tag", default=None, help="tag to read (default: the one in DIR/latest)")
     convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                          help="dtype of the trainable weights written (default fp32, the master weights)")
+    convert.add_argument("--hf-config", default=None, metavar="DIR",
+                         help="Hugging Face model directory to copy config.json and generation_config.json from, "
+                              "so that from_pretrained(OUT) works (default: weights only)")
     convert.add_argument("--max-shard-size", default="5GB",
                          help="largest output file: 500MB, 5GB or 5G (powers of 1000), 5GiB (powers of 1024); default 5GB")
     convert.set_defaults(func=_cmd_ckpt_convert)
@@ -170,10 +173,15 @@ def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
     import torch
 
     from zerodp.checkpoint import convert_to_safetensors, convert_to_torch
+    from zerodp.checkpoint.convert import copy_hf_config, hf_config_problem
     from zerodp.checkpoint.format import CheckpointError
     from zerodp.metrics import ProgressBar
 
     dtype = getattr(torch, _DTYPES[args.dtype])
+    problem = hf_config_problem(args.hf_config) if args.hf_config else None
+    if problem:  # before any weight is written
+        print(f"zerodp ckpt convert: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         bar: list = []
 
@@ -184,6 +192,8 @@ def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
 
         convert = convert_to_torch if args.to == "fp32" else convert_to_safetensors
         files = convert(args.dir, args.out, args.tag, dtype, parse_size(args.max_shard_size), progress)
+        if args.hf_config:
+            files += copy_hf_config(args.hf_config, args.out)
         if bar:
             bar[0].close()
     except (CheckpointError, OSError, ValueError) as err:

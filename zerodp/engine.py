@@ -412,12 +412,13 @@ class Engine(nn.Module):
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the full working-precision weights to `save_dir/save_filename` from rank 0 (a
-        `.safetensors` name writes safetensors, tied aliases once); call it on every rank. At stage 3
+        `.safetensors` name writes safetensors, tied aliases once), and beside it a transformers model's
+        config.json and generation_config.json; call it on every rank. At stage 3
         it needs `stage3_gather_16bit_weights_on_model_save` (parameters are gathered one unit at a
         time into rank 0's host memory). Returns True."""
         from pathlib import Path
 
-        from zerodp.checkpoint.convert import write_safetensors
+        from zerodp.checkpoint.convert import save_hf_config, write_safetensors
         from zerodp.checkpoint.save import tied_names
 
         state = self.module.state_dict()  # stage 3: gathers (or explains the missing config key)
@@ -434,6 +435,7 @@ class Engine(nn.Module):
             else:
                 torch.save(state, tmp)
             tmp.replace(path)
+            save_hf_config(self.module, save_dir)  # a transformers model: from_pretrained(save_dir) works
             log_rank0("saved 16-bit model weights to %s", path)
         comm.barrier()
         return True

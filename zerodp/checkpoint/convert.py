@@ -298,3 +298,43 @@ def describe(ckpt_dir: str | Path, tag: str | None = None) -> str:
         lines.append(f"  {name:<24} {info['bytes']:>14,} bytes  sha256 {info['sha256'][:16]}...  "
                      f"{len(info.get('pieces', []))} pieces")
     return "\n".join(lines)
+
+
+HF_CONFIG_FILES = ("config.json", "generation_config.json")
+"""What `from_pretrained` needs beside the weights: the model's config (required) and its generation
+defaults (when the model has them)."""
+
+
+def hf_config_problem(src_dir: str | Path) -> str | None:
+    """Why `src_dir` cannot give a Hugging Face config (None when it can): checked before converting."""
+    if not (Path(src_dir) / "config.json").is_file():
+        return (f"--hf-config {src_dir}: no config.json there; give the Hugging Face model directory the "
+                "training started from (what from_pretrained read)")
+    return None
+
+
+def copy_hf_config(src_dir: str | Path, out_dir: str | Path) -> list[Path]:
+    """Copy `config.json` and, if present, `generation_config.json` from a Hugging Face model directory
+    into `out_dir`, so `from_pretrained(out_dir)` loads the converted weights. Returns the files written."""
+    problem = hf_config_problem(src_dir)
+    if problem:
+        raise CheckpointError(problem)
+    written = []
+    for name in HF_CONFIG_FILES:
+        if (Path(src_dir) / name).is_file():
+            written.append(Path(out_dir) / name)
+            written[-1].write_bytes((Path(src_dir) / name).read_bytes())
+    return written
+
+
+def save_hf_config(module: torch.nn.Module, out_dir: str | Path) -> list[Path]:
+    """Write a transformers model's `config.json` (and `generation_config.json` when it has one) into
+    `out_dir`, as its save_pretrained does; nothing for another module. Returns the files written."""
+    config = getattr(module, "config", None)
+    if not (hasattr(config, "save_pretrained") and hasattr(module, "save_pretrained")):
+        return []
+    config.save_pretrained(out_dir)
+    generation = getattr(module, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(out_dir)
+    return [Path(out_dir) / name for name in HF_CONFIG_FILES if (Path(out_dir) / name).is_file()]
