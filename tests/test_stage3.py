@@ -336,9 +336,29 @@ def test_state_dict_and_save_16bit_model_give_full_weights_on_rank_0(tmp_path) -
     assert set(saved) == set(reference) and all(torch.equal(saved[n], reference[n]) for n in saved)
 
 
-def test_state_dict_without_the_gather_key_is_a_clear_error(tmp_path) -> None:
-    with pytest.raises(RankFailed, match="stage3_gather_16bit_weights_on_model_save"):
+def test_save_16bit_model_without_the_gather_key_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(RankFailed, match=r"save_16bit_model\(\) of a ZeRO stage-3 model: .*"
+                                         "stage3_gather_16bit_weights_on_model_save"):
         run_ranks(_full_weights, 2, args=(False, str(tmp_path)))
+
+
+def _state_dict_on_rank_0_only(rank: int, world: int) -> dict:
+    import zerodp
+
+    engine, *_ = zerodp.initialize(model=make_block_lm(), config=_config(stage3_gather_16bit_weights_on_model_save=False),
+                                   optimizer=_adamw)
+    state = engine.module.state_dict() if rank == 0 else {}  # DeepSpeed-Chat's save_hf_format, at stage 3
+    engine.backward(engine(*batch(rank, 0, 0)))  # the ranks' next collectives still pair
+    engine.step()
+    return {n: tuple(t.shape) for n, t in state.items()}
+
+
+def test_state_dict_on_one_rank_without_the_gather_key_returns_deepspeed_s_placeholders() -> None:
+    # before: it raised on rank 0 alone, and rank 1 then failed on its lost peer
+    shapes, _ = run_ranks(_state_dict_on_rank_0_only, 2)
+    reference = make_block_lm().state_dict()
+    assert set(shapes) == set(reference)
+    assert {shapes[n] for n, p in make_block_lm().named_parameters()} == {(0,)}  # partitioned: empty, as DeepSpeed
 
 
 # --- zero.Init and GatheredParameters --------------------------------------------------------------------------

@@ -421,7 +421,8 @@ class Engine(nn.Module):
         from zerodp.checkpoint.convert import save_hf_config, write_safetensors
         from zerodp.checkpoint.save import tied_names
 
-        state = self.module.state_dict()  # stage 3: gathers (or explains the missing config key)
+        self.strategy.check_full_weights_allowed()  # stage 3: explains the missing config key
+        state = self.module.state_dict()  # stage 3: gathers one unit at a time
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             state = {n: t for n, t in state.items() if n not in frozen}

@@ -195,6 +195,9 @@ class Strategy(abc.ABC):
         """Tensors whose storages hold the parameters (left out of the saved-activation count)."""
         return list(self.module.parameters())
 
+    def check_full_weights_allowed(self) -> None:
+        """Raise when the config forbids gathering full weights for save_16bit_model (stage 3)."""
+
     def gathered_state_dict(self, keep: Callable[[str], bool] | None = None) -> dict:
         """The module's state dict with full tensors (entries whose name passes `keep`), on rank 0
         at least: stage 3 gathers one unit at a time and returns {} on other ranks. Every rank calls."""

@@ -52,7 +52,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zerodp import comm
-from zerodp.log import logger
+from zerodp.log import logger, warn_once
 from zerodp.memory import DEVICE, NVME, Category, MemoryLedger
 from zerodp.offload.cpu import Home
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY
@@ -64,6 +64,10 @@ from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import trainable_in_registration_order
 from zerodp.zero.init import gather_init_param, is_partitioned
 from zerodp.zero.stage12 import MAX_BUCKETS_IN_FLIGHT, check_elementwise
+
+FULL_WEIGHTS_HINT = ('Set "zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to gather full '
+                     "weights on rank 0 (which needs host memory for the whole model; every rank must call), or use "
+                     "engine.save_checkpoint() and `zerodp ckpt convert` for a consolidated copy")
 from zerodp.zero.trace import UnitTrace
 from zerodp.zero.units import FlatShard, Unit, UnitState, mark_leaf_modules_from_config, plan_units
 
@@ -580,16 +584,17 @@ class Stage3(Strategy):
     # --- full weights ------------------------------------------------------------------------------------
 
     def _state_dict_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-        """`module.state_dict()`: full parameters on rank 0, {} elsewhere (every rank must call it)."""
+        """`module.state_dict()`: with stage3_gather_16bit_weights_on_model_save, full parameters on rank 0
+        and {} elsewhere (every rank must call it); without it, DeepSpeed's answer: each parameter as
+        this rank holds it (empty while its unit is released), with no communication, so a script may
+        call it on one rank (DeepSpeed-Chat does before gathering the weights itself)."""
         if self._keep is not None:
             for k in [k for k in state_dict if not self._keep(k[len(prefix):])]:
                 del state_dict[k]
         if not (self._force_gather or self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save):
-            raise RuntimeError(
-                "state_dict() of a ZeRO stage-3 model: each rank holds only shards of the parameters. Set "
-                '"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to gather full weights '
-                "(on rank 0, which needs host memory for the whole model), or use engine.save_checkpoint() and "
-                "`zerodp ckpt convert` for a consolidated copy")
+            warn_once(f"state_dict() of a ZeRO stage-3 model returns the parameters as this rank holds them (empty "
+                      f"tensors while partitioned), as DeepSpeed does. {FULL_WEIGHTS_HINT}")
+            return
         aliases: dict[nn.Parameter, list[str]] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             aliases.setdefault(p, []).append(prefix + name)
@@ -606,6 +611,12 @@ class Stage3(Strategy):
                 unit.release()
         if self.rank != 0:
             state_dict.clear()
+
+    def check_full_weights_allowed(self) -> None:
+        """save_16bit_model at stage 3 needs stage3_gather_16bit_weights_on_model_save (RuntimeError)."""
+        if not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            raise RuntimeError(f"save_16bit_model() of a ZeRO stage-3 model: each rank holds only shards of the "
+                               f"parameters. {FULL_WEIGHTS_HINT}")
 
     def gathered_state_dict(self, keep=None) -> dict:
         self._force_gather, self._keep = True, keep
