@@ -56,7 +56,7 @@ base = os.path.join(out, "tiny_gpt2")
 if rank == 0:
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(base)
-deepspeed.init_distributed()
+deepspeed.init_distributed(dist_backend=None if torch.cuda.is_available() else "gloo")  # real DeepSpeed's CPU default is ccl
 deepspeed.comm.barrier()  # the base model is on disk for every rank
 
 
