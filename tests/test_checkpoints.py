@@ -591,3 +591,41 @@ def test_same_numel_other_shape_and_other_optimizer_are_refused(tmp_path: Path) 
     (shape_error, optimizer_error), = run_ranks(_shape_mismatch, 1, args=(str(tmp_path),))
     assert "fc1.weight (saved [64, 16], model [16, 64])" in shape_error
     assert "holds SGD state but the engine's optimizer is AdamW" in optimizer_error
+
+
+def _resume_with_a_group_rank_0_does_not_own(rank: int, world: int, tmp: str, stage: int) -> dict:
+    import zerodp
+    from tests.models import two_groups
+
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+
+    def make():
+        model = make_model()
+        engine, *_ = zerodp.initialize(model=model, config=cfg,
+                                       optimizer=torch.optim.AdamW(two_groups(model), lr=1e-2, foreach=True))
+        return engine
+
+    def train(engine, steps):
+        for step in steps:
+            engine.backward(engine(*batch(rank, step, 0)))
+            engine.step()
+        with zerodp.zero.GatheredParameters(list(engine.module.parameters())):
+            return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+    straight = train(make(), range(2))
+    first = make()
+    train(first, range(1))
+    owned = [sum(p.numel() for p in g["params"]) for g in first.optimizer.param_groups]
+    first.save_checkpoint(tmp)
+    resumed = make()
+    resumed.load_checkpoint(tmp)
+    after = train(resumed, range(1, 2))
+    return {"owned": owned, "equal": all(torch.equal(after[n], straight[n]) for n in straight)}
+
+
+def test_resume_when_rank_0_owns_no_element_of_a_param_group(tmp_path: Path) -> None:
+    # before: the group's Adam `step` came from rank 0's optimizer, which held none for it, and the
+    # first step after resuming raised KeyError: 'step' on the rank that does own its elements
+    results = run_ranks(_resume_with_a_group_rank_0_does_not_own, 2, args=(str(tmp_path / "ckpt"), 3))
+    assert results[0]["owned"][1] == 0 < results[1]["owned"][1]  # the case: rank 0 owns nothing of group 2
+    assert all(r["equal"] for r in results)

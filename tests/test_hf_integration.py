@@ -93,3 +93,21 @@ def test_converted_and_16bit_weights_load_with_from_pretrained(tmp_path: Path) -
     assert all(torch.equal(p, trained[n]) for n, p in converted.named_parameters())
     sixteen = AutoModelForCausalLM.from_pretrained(tmp_path / "weights16")  # save_16bit_model wrote config.json
     assert all(torch.equal(p, trained[n]) for n, p in sixteen.named_parameters())
+
+
+def _sft(out: Path, *flags: str) -> dict:
+    zerodp = [sys.executable, "-c", "from zerodp.cli import main; raise SystemExit(main())"]
+    return _launch([*zerodp, "deepspeed", "--num_gpus", "2", str(SCRIPTS / "ds_chat_sft.py"), "--out", str(out), *flags],
+                   out.parent)
+
+
+def test_a_deepspeed_chat_style_sft_loop_relaunches_from_its_checkpoint(tmp_path: Path) -> None:
+    # zerodp deepspeed passes --local_rank; offload_param is set at stage 2 too; DeepSpeedCPUAdam with
+    # offload_optimizer; save_zero_three_model's ds_id / ds_status gathering; a relaunch resumes bitwise
+    straight = _sft(tmp_path / "a", "--offload", "--zero_stage", "3", "--steps", "4")
+    _sft(tmp_path / "b", "--offload", "--zero_stage", "3", "--steps", "2")
+    relaunched = _sft(tmp_path / "b", "--offload", "--zero_stage", "3", "--steps", "2", "--resume")
+    assert relaunched["losses"] == straight["losses"][4:] and relaunched["global_steps"] == 4
+    assert straight["full_shapes_ok"] and straight["optimizer"] == "DeepSpeedCPUAdam"
+    stage2 = _sft(tmp_path / "c", "--offload", "--zero_stage", "2", "--steps", "1")
+    assert stage2["full_shapes_ok"] and len(stage2["losses"]) == 2

@@ -40,7 +40,9 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_s
         on_every_rank(lambda: _make_empty(tmp) if rank == 0 else None)  # its gather is the barrier
         try:
             extra = _module_extra(engine, exclude_frozen_parameters)  # stage 3 gathers: every rank
-            files = on_every_rank(lambda: _write_files(engine, tmp, rank, world, client_state or {}, extra))
+            extra_optimizer = _optimizer_state_of_all_ranks(engine.optimizer)  # a collective
+            files = on_every_rank(lambda: _write_files(engine, tmp, rank, world, client_state or {},
+                                                       {**extra_optimizer, "module_extra": extra}))
             digests = _gather_digests(tmp, files, world)
             on_every_rank(lambda: _publish(engine, root, tag, tmp, digests, save_latest) if rank == 0 else None)
         except BaseException:
@@ -129,6 +131,31 @@ def _module_extra(engine: Any, exclude_frozen: bool) -> dict:
     return {n: t.detach().cpu() for n, t in extra.items()}
 
 
+def _optimizer_state_of_all_ranks(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's per-group scalar state (Adam's step) and element-wise state names, from every
+    rank: a rank may own no element of a param group (or of any), and its own optimizer then holds no
+    state to save for it, so rank 0 alone cannot tell (resuming gave such a group no `step`)."""
+    mine = {"scalars": [{k: _json_scalar(v) for k, v in _scalar_state(optimizer, g).items()} for g in optimizer.param_groups],
+            "keys": sorted({k for g in optimizer.param_groups for p in g["params"] for k in elementwise_state(optimizer, p)})}
+    text = json.dumps(mine)
+    everyone = [json.loads(m) for m in comm.gather_messages(text, max_bytes=512 * (len(optimizer.param_groups) + 2))]
+    scalars = [next((r["scalars"][i] for r in everyone if r["scalars"][i]), {}) for i in range(len(optimizer.param_groups))]
+    return {"optimizer_scalars": [{k: _from_json_scalar(v) for k, v in group.items()} for group in scalars],
+            "optimizer_state_keys": sorted({k for r in everyone for k in r["keys"]})}
+
+
+def _json_scalar(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    return value
+
+
+def _from_json_scalar(value: Any) -> Any:
+    if isinstance(value, dict) and "tensor" in value:
+        return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+    return value
+
+
 def _engine_state(engine: Any, client_state: dict, extra: dict) -> dict:
     optimizer = engine.optimizer
     return {
@@ -137,10 +164,7 @@ def _engine_state(engine: Any, client_state: dict, extra: dict) -> dict:
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "optimizer_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-        "optimizer_scalars": [_scalar_state(optimizer, g) for g in optimizer.param_groups],
-        "optimizer_state_keys": sorted({k for g in optimizer.param_groups for p in g["params"]
-                                        for k in elementwise_state(optimizer, p)}),
-        "module_extra": extra,  # buffers and frozen parameters, by state_dict name
+        **extra,  # optimizer_scalars, optimizer_state_keys (all ranks'); module_extra: buffers and frozen params
         "client_state": client_state,
         "dataloader": _sampler_state(engine),
         "strategy_layout": engine.strategy.layout_state(),
