@@ -111,3 +111,13 @@ def test_a_deepspeed_chat_style_sft_loop_relaunches_from_its_checkpoint(tmp_path
     assert straight["full_shapes_ok"] and straight["optimizer"] == "DeepSpeedCPUAdam"
     stage2 = _sft(tmp_path / "c", "--offload", "--zero_stage", "2", "--steps", "1")
     assert stage2["full_shapes_ok"] and len(stage2["losses"]) == 2
+
+
+def test_from_pretrained_under_zero3_loads_every_weight_into_the_partitions(tmp_path: Path) -> None:
+    # transformers 5 builds on the meta device, then loads into deepspeed.zero.Init's partitions
+    zerodp = [sys.executable, "-c", "from zerodp.cli import main; raise SystemExit(main())"]
+    result = _launch([*zerodp, "run", "--nproc-per-node", "2", str(SCRIPTS / "hf_from_pretrained.py"), str(tmp_path)],
+                     tmp_path)
+    assert result["zero3_enabled"]
+    assert result["gpt2"] == {"partitioned": True, "equal": True, "tied": True, "num_params": 28}
+    assert result["llama"] == {"partitioned": True, "equal": True, "tied": False, "num_params": 21}
