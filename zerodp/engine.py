@@ -31,6 +31,12 @@ from zerodp.timers import ThroughputTimer, Timers
 from zerodp.zero.base import Strategy
 
 
+_engine_backwards_running = 0
+"""engine.backward calls in progress in this process, any engine's: their loss is already divided by
+the accumulation steps, so no engine's forward hook divides it again (a GAN generator's loss runs
+through the discriminator engine's output)."""
+
+
 class Engine(nn.Module):
     """DeepSpeed's engine API over a zerodp Strategy. Build it with `zerodp.initialize`."""
 
@@ -70,7 +76,6 @@ class Engine(nn.Module):
         self._step_started = time.perf_counter()
         self.last_metrics: dict[str, Any] = {}
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
-        self._in_backward = False  # inside engine.backward (its loss is already divided and scaled)
         self._manual_scales = 0  # engine.scale(loss) calls since the last step, for loss.backward()
         strategy.implicit_backward_boundary = lambda: self.is_gradient_accumulation_boundary() and not self._no_sync
         _clear_strategy_grads_on_module_zero_grad(module, self)
@@ -229,7 +234,7 @@ class Engine(nn.Module):
         scalars = [t for t in tensors if t.numel() == 1]
         gas = self.config.gradient_accumulation_steps
         for t in scalars or tensors:
-            t.register_hook(lambda grad: grad if self._in_backward else grad / gas)
+            t.register_hook(lambda grad: grad if _engine_backwards_running else grad / gas)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of `loss` / gradient_accumulation_steps x loss scale; returns the loss divided by
@@ -245,14 +250,15 @@ class Engine(nn.Module):
         with self.timers("bwd"), self._explained_errors():
             self.strategy.begin_backward(boundary)
             to_backward = scaled * self.loss_scaler.loss_scale if self.loss_scaler.loss_scale != 1.0 else scaled
-            self._in_backward = True
+            global _engine_backwards_running
+            _engine_backwards_running += 1
             try:
                 to_backward.backward(retain_graph=retain_graph)
             except BaseException:
                 self.strategy.backward_open = False
                 raise
             finally:
-                self._in_backward = False
+                _engine_backwards_running -= 1
             self.strategy.end_backward(boundary)
         return scaled
 
