@@ -427,3 +427,18 @@ def test_parameters_partitioned_by_a_real_deepspeed_are_refused() -> None:
     with pytest.raises(ValueError, match=r"'fc1.weight'\) were partitioned by DeepSpeed's own zero.Init"):
         zerodp.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+
+
+def _comm_calls(rank: int, world: int) -> list[float]:
+    from zerodp.compat.deepspeed import comm as dist
+
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)
+    b = torch.full((1,), float(rank + 5))
+    handle = dist.broadcast(b, src=1, async_op=True)  # DeepSpeed's signature
+    handle.wait()
+    return [t.tolist(), b.item(), dist.get_local_rank()]
+
+
+def test_deepspeed_comm_takes_deepspeed_s_arguments() -> None:
+    assert run_ranks(_comm_calls, 2) == [[[3.0, 3.0], 6.0, 0], [[3.0, 3.0], 6.0, 1]]

@@ -400,6 +400,10 @@ class Engine(nn.Module):
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
+    def _frozen_names(self) -> set[str]:
+        """State-dict names of the module's frozen parameters (tied aliases included)."""
+        return {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """The config's `stage3_gather_16bit_weights_on_model_save` (DeepSpeed's accessor)."""
         return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
@@ -411,7 +415,7 @@ class Engine(nn.Module):
         if self.zero_optimization_stage() != 3:
             raise ValueError("_zero3_consolidated_16bit_state_dict() needs ZeRO stage 3 "
                              f"(this engine runs stage {self.zero_optimization_stage()}); use module.state_dict()")
-        frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        frozen = self._frozen_names()
         state = self.strategy.gathered_state_dict(keep=(lambda n: n not in frozen) if exclude_frozen_parameters else None)
         return state if comm.get_rank() == 0 else None
 
@@ -430,7 +434,7 @@ class Engine(nn.Module):
         self.strategy.check_full_weights_allowed()  # stage 3: explains the missing config key
         state = self.module.state_dict()  # stage 3: gathers one unit at a time
         if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            frozen = self._frozen_names()
             state = {n: t for n, t in state.items() if n not in frozen}
         if comm.get_rank() == 0:
             path = Path(save_dir) / save_filename

@@ -13,7 +13,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from zerodp import comm as _comm
-from zerodp.comm import all_gather_into_tensor, barrier, broadcast, get_rank, get_world_size, is_initialized, reduce_scatter_tensor
+from zerodp.comm import all_gather_into_tensor, barrier, get_rank, get_world_size, is_initialized, reduce_scatter_tensor
 from zerodp.compat.deepspeed._missing import missing_attributes
 
 
@@ -53,6 +53,13 @@ def get_world_group() -> object:
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: object = None, async_op: bool = False,
                prof: bool = False, log_name: str = "all_reduce", debug: object = None):
     return _comm.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: object = None, async_op: bool = False, prof: bool = False,
+              log_name: str = "broadcast", debug: object = None):
+    """DeepSpeed's signature; zerodp broadcasts synchronously, so async_op=True returns a finished handle."""
+    _comm.broadcast(tensor, src=src, group=group)
+    return _comm.Pending([]) if async_op else None
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: object = None, async_op: bool = False,
