@@ -93,3 +93,22 @@ def _collect(queue, procs, world_size: int, timeout: float) -> list[Any]:
             raise RankFailed(f"rank {rank} of {world_size} failed:\n{payload}")
         results[rank] = pickle.loads(payload)
     return [results[r] for r in range(world_size)]
+
+
+def full_state(engine) -> dict:
+    """{name: {"master" and each optimizer state key: the full flat tensor}}, assembled from every
+    rank's pieces (call on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = [(p.name, p.offset, {k: t.detach().cpu().clone() for k, t in p.tensors.items()})
+            for p in engine.strategy.pieces(saving=True)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    full: dict[str, dict[str, list]] = {}
+    for pieces in everyone:
+        for name, offset, tensors in pieces:
+            for key, t in tensors.items():
+                full.setdefault(name, {}).setdefault(key, []).append((offset, t))
+    return {n: {k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])]) for k, v in keys.items()}
+            for n, keys in full.items()}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import RankFailed, run_ranks
+from tests.harness import RankFailed, full_state, run_ranks
 from tests.models import batch, make_model
 
 GAS = 2
@@ -96,28 +96,11 @@ def test_resume_is_exact(tmp_path: Path, stage: int, precision: str, world: int)
 # --- any world size, any stage ----------------------------------------------------------------------
 
 
-def _full_state(engine) -> dict[str, dict[str, torch.Tensor]]:
-    """Every parameter's master values and optimizer state, assembled from all ranks' pieces."""
-    import torch.distributed as dist
-
-    mine = [(p.name, p.offset, {k: t.detach().cpu().clone() for k, t in p.tensors.items()})
-            for p in engine.strategy.pieces(saving=True)]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    full: dict[str, dict[str, list]] = {}
-    for pieces in everyone:
-        for name, offset, tensors in pieces:
-            for key, t in tensors.items():
-                full.setdefault(name, {}).setdefault(key, []).append((offset, t))
-    return {n: {k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])]) for k, v in keys.items()}
-            for n, keys in full.items()}
-
-
 def _save_at(rank: int, world: int, stage: int, root: str):
     engine = _engine(stage)
     _train(engine, rank, range(2))
     engine.save_checkpoint(os.path.join(root, f"w{world}s{stage}"), tag="ckpt")
-    return _full_state(engine)
+    return full_state(engine)
 
 
 def _load_all_at(rank: int, world: int, stage: int, root: str, sources: list[str]):
@@ -125,7 +108,7 @@ def _load_all_at(rank: int, world: int, stage: int, root: str, sources: list[str
     for source in sources:
         engine = _engine(stage)
         engine.load_checkpoint(os.path.join(root, source), tag="ckpt")
-        states[source] = (_full_state(engine), engine.global_steps)
+        states[source] = (full_state(engine), engine.global_steps)
     return states
 
 

@@ -5,6 +5,7 @@
     zerodp run --nproc-per-node 2 train.py ...    # torchrun with zerodp's defaults
     zerodp deepspeed --num_gpus 2 train.py ...    # DeepSpeed's launcher flags, over torchrun
     zerodp ckpt convert ckpt/ out/                # full weights as safetensors shards
+    zerodp ckpt convert ds_ckpt/ out/ --to zerodp # a DeepSpeed ZeRO checkpoint as a zerodp one
 """
 
 from __future__ import annotations
@@ -51,18 +52,23 @@ def _parser() -> argparse.ArgumentParser:
                        help="data-parallel world size (number of processes); default: $WORLD_SIZE")
     check.set_defaults(func=_cmd_config_check)
 
-    ckpt = sub.add_parser("ckpt", help="inspect or convert a zerodp checkpoint").add_subparsers(required=True, metavar="ACTION")
+    ckpt = sub.add_parser("ckpt", help="inspect or convert a zerodp checkpoint (convert: a DeepSpeed one too)").add_subparsers(required=True, metavar="ACTION")
     inspect_ = ckpt.add_parser("inspect", help="what saved a checkpoint and what its files hold")
     inspect_.add_argument("dir", help="checkpoint directory (with 'latest') or a tag directory")
     inspect_.add_argument("--tag", default=None, help="tag to read (default: the one in DIR/latest)")
     inspect_.set_defaults(func=_cmd_ckpt_inspect)
-    convert = ckpt.add_parser("convert", help="write full weights as safetensors or pytorch_model.bin shards, streaming")
+    convert = ckpt.add_parser("convert", help="write full weights as safetensors or pytorch_model.bin shards, streaming; "
+                                              "or a DeepSpeed checkpoint as a zerodp one")
     convert.add_argument("dir", help="checkpoint directory (with 'latest') or a tag directory")
     convert.add_argument("out", help="output directory")
-    convert.add_argument("--to", choices=["fp32", "safetensors"], default="safetensors",
+    convert.add_argument("--from", dest="source", choices=["auto", "zerodp", "deepspeed"], default="auto",
+                         help="what DIR holds: a zerodp checkpoint, or a DeepSpeed ZeRO checkpoint (stages 1-3: "
+                              "global_stepN/*_optim_states.pt); default: whichever it is")
+    convert.add_argument("--to", choices=["fp32", "safetensors", "zerodp"], default="safetensors",
                          help="safetensors: model.safetensors, or shards + model.safetensors.index.json (default; "
                               "memory: about the largest tensor); fp32: pytorch_model.bin, or shards + "
-                              "pytorch_model.bin.index.json (memory: about one shard)")
+                              "pytorch_model.bin.index.json (memory: about one shard); zerodp (--from deepspeed): "
+                              "a zerodp checkpoint OUT/TAG with the masters, optimizer state, scheduler and counters")
     convert.add_argument("--tag", default=None, help="tag to read (default: the one in DIR/latest)")
     convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                          help="dtype of the trainable weights written (default fp32, the master weights)")
@@ -172,13 +178,22 @@ def parse_size(text: str) -> int:
 def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
     import torch
 
+    from pathlib import Path
+
     from zerodp.checkpoint import convert_to_safetensors, convert_to_torch
     from zerodp.checkpoint.convert import copy_hf_config, hf_config_problem
+    from zerodp.checkpoint.deepspeed import convert_to_zerodp, find_tag_dir
     from zerodp.checkpoint.format import CheckpointError
     from zerodp.metrics import ProgressBar
 
     dtype = getattr(torch, _DTYPES[args.dtype])
-    problem = hf_config_problem(args.hf_config) if args.hf_config else None
+    try:
+        is_deepspeed = Path(args.dir).is_dir() and find_tag_dir(Path(args.dir), args.tag) is not None
+    except CheckpointError as err:
+        is_deepspeed, problem = False, str(err)
+    else:
+        problem = _convert_source_problem(args, is_deepspeed)
+    problem = problem or (hf_config_problem(args.hf_config) if args.hf_config else None)
     if problem:  # before any weight is written
         print(f"zerodp ckpt convert: {problem}", file=sys.stderr)
         return EXIT_USAGE
@@ -190,8 +205,11 @@ def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
                 bar.append(ProgressBar(total, sys.stderr))
             bar[0].update(done)
 
-        convert = convert_to_torch if args.to == "fp32" else convert_to_safetensors
-        files = convert(args.dir, args.out, args.tag, dtype, parse_size(args.max_shard_size), progress)
+        if args.to == "zerodp":
+            files = convert_to_zerodp(args.dir, args.out, args.tag, progress)
+        else:
+            convert = convert_to_torch if args.to == "fp32" else convert_to_safetensors
+            files = convert(args.dir, args.out, args.tag, dtype, parse_size(args.max_shard_size), progress)
         if args.hf_config:
             files += copy_hf_config(args.hf_config, args.out)
         if bar:
@@ -201,6 +219,19 @@ def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     print("\n".join(str(f) for f in files))
     return EXIT_OK
+
+
+def _convert_source_problem(args: argparse.Namespace, is_deepspeed: bool) -> str | None:
+    """Why `--from` / `--to` do not fit what DIR holds (None when they do)."""
+    found = "a DeepSpeed checkpoint" if is_deepspeed else "not a DeepSpeed checkpoint"
+    if args.source == "deepspeed" and not is_deepspeed:
+        return (f"--from deepspeed: {args.dir} is {found} (expected 'latest' naming a tag directory with "
+                "mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt)")
+    if args.source == "zerodp" and is_deepspeed:
+        return f"--from zerodp: {args.dir} is {found}; pass --from deepspeed (or leave --from out)"
+    if args.to == "zerodp" and not is_deepspeed:
+        return f"--to zerodp converts a DeepSpeed checkpoint, and {args.dir} is {found}"
+    return None
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

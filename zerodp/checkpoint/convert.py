@@ -24,6 +24,7 @@ from typing import BinaryIO, Callable, Iterator
 
 import torch
 
+from zerodp.checkpoint import deepspeed
 from zerodp.checkpoint.format import (ENGINE, LATEST, META, CheckpointError, check_tag, copy_from_mapped,
                                       rank_file_order, read_meta, release_pages, verified_load)
 
@@ -48,7 +49,9 @@ def resolve_tag_dir(ckpt_dir: str | Path, tag: str | None = None) -> Path:
 
 
 def _rank_files(meta: dict) -> list[str]:
-    return sorted((n for n in meta["files"] if n.startswith("rank_")), key=rank_file_order)
+    """The files holding pieces, in flat order (a DeepSpeed checkpoint's meta lists them in rank order)."""
+    names = [n for n, info in meta["files"].items() if "pieces" in info]
+    return sorted(names, key=rank_file_order) if all(n.startswith("rank_") for n in names) else names
 
 
 def assembly_order(meta: dict) -> list[str]:
@@ -64,14 +67,17 @@ def assembly_order(meta: dict) -> list[str]:
     return order
 
 
-def iter_parameters(tag_dir: Path, meta: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_parameters(tag_dir: Path, meta: dict, read: Callable[[str], list] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full fp32 tensor) for every trainable parameter, as soon as it is complete, in
     `assembly_order`. Rank files are mapped, not read whole: each piece's pages are released once
-    copied, so only the parameters being assembled are resident."""
+    copied, so only the parameters being assembled are resident. `read(file)`: its pieces (default:
+    a zerodp rank file's, verified)."""
     params = meta["params"]
+    read = read or (lambda file: verified_load(tag_dir, file, meta, mmap=True)["pieces"])
     partial: dict[str, tuple[torch.Tensor, int]] = {}
     for file in _rank_files(meta):
-        for piece in verified_load(tag_dir, file, meta, mmap=True)["pieces"]:
+        for piece in read(file):
             name, master = piece["name"], piece["tensors"]["master"]
             full, filled = partial.get(name) or (torch.empty(math.prod(params[name]["shape"])), 0)
             copy_from_mapped(full[piece["offset"] : piece["offset"] + piece["numel"]], master)
@@ -86,15 +92,22 @@ def iter_parameters(tag_dir: Path, meta: dict) -> Iterator[tuple[str, torch.Tens
 
 
 class _Source:
-    """A checkpoint's full tensors, planned from metadata and then streamed in that order: trainable
-    parameters (fp32 masters cast to `dtype`), then buffers and frozen parameters as saved."""
+    """A checkpoint's full tensors (zerodp's or DeepSpeed's), planned from metadata and then streamed
+    in that order: trainable parameters (fp32 masters cast to `dtype`), then buffers and frozen
+    parameters as saved."""
 
     def __init__(self, ckpt_dir: str | Path, tag: str | None, dtype: torch.dtype | None) -> None:
-        self.tag_dir = resolve_tag_dir(ckpt_dir, tag)
-        self.meta = read_meta(self.tag_dir)
         self.dtype = dtype
-        self.extra = verified_load(self.tag_dir, ENGINE, self.meta, mmap=True)["module_extra"]  # not read yet
-        self.tied = self.meta.get("tied", {})
+        self.read = None
+        self.tag_dir = deepspeed.find_tag_dir(Path(ckpt_dir), tag) if Path(ckpt_dir).is_dir() else None
+        if self.tag_dir is not None:
+            saved = deepspeed.DeepSpeedCheckpoint(self.tag_dir)
+            self.meta, self.extra, self.read = saved.meta, saved.state["module_extra"], saved.pieces
+        else:
+            self.tag_dir = resolve_tag_dir(ckpt_dir, tag)
+            self.meta = read_meta(self.tag_dir)
+            self.extra = verified_load(self.tag_dir, ENGINE, self.meta, mmap=True)["module_extra"]  # not read yet
+        self.tied = self.meta.get("tied") or {}
 
     def plan(self) -> list[Entry]:
         """(name, shape, dtype) of every tensor `tensors()` yields, in its order; tied aliases excluded."""
@@ -104,11 +117,12 @@ class _Source:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, contiguous CPU tensor) in `plan()` order, each owned by the caller."""
-        for name, tensor in iter_parameters(self.tag_dir, self.meta):
+        for name, tensor in iter_parameters(self.tag_dir, self.meta, self.read):
             yield name, tensor.to(self.dtype) if self.dtype is not None else tensor
         for name, tensor in self.extra.items():
             copy = tensor.clone(memory_format=torch.contiguous_format)
-            release_pages(tensor)
+            if self.read is None:  # engine.pt is mapped; DeepSpeed's model states are read whole
+                release_pages(tensor)
             yield name, copy
 
 

@@ -134,7 +134,7 @@ _META_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stage": (lambda v: _is(v, int) and v in range(4), "0, 1, 2 or 3"),
     "world_size": (lambda v: _is(v, int) and v >= 1, "a positive integer"),
     "precision": (lambda v: isinstance(v, str), "a string"),
-    "optimizer": (lambda v: isinstance(v, str), "a string"),
+    "optimizer": (lambda v: v is None or isinstance(v, str), "a class name (null: converted from DeepSpeed)"),
     "params": (lambda v: isinstance(v, dict), "an object"),
     "files": (lambda v: isinstance(v, dict), "an object"),
     "tied": (lambda v: v is None or isinstance(v, dict), "an object of {alias: name}"),

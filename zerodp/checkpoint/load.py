@@ -2,19 +2,21 @@
 
 Each rank asks its strategy which pieces it holds now (zero/layout.py), opens only the saved rank
 files whose pieces overlap them (meta.json lists them), one file at a time, and copies the
-overlapping ranges into live storage. Problems found by one rank are shared before the first
-collective, so every rank raises instead of some waiting forever.
+overlapping ranges into live storage. A DeepSpeed ZeRO checkpoint is read the same way: its rank
+files are lists of pieces too (see deepspeed.py). Problems found by one rank are shared before the
+first collective, so every rank raises instead of some waiting forever.
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from zerodp import comm
+from zerodp.checkpoint import deepspeed
 from zerodp.checkpoint.format import (ENGINE, LATEST, CheckpointError, check_tag, copy_from_mapped, on_every_rank,
                                       read_meta, rng_file, verified_load)
 from zerodp.log import log_rank0, logger
@@ -23,24 +25,30 @@ from zerodp.log import log_rank0, logger
 def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict | None]:
-    """Load `load_dir/tag` (default: the tag in `load_dir/latest`) into `engine` on every rank.
-    Returns (checkpoint path, client_state), or (None, None) when there is nothing to load."""
+    """Load `load_dir/tag` (default: the tag in `load_dir/latest`) into `engine` on every rank; a
+    zerodp or a DeepSpeed ZeRO checkpoint. Returns (checkpoint path, client_state), or (None, None)
+    when there is nothing to load."""
     with_optimizer = load_optimizer_states and not load_module_only
     with comm.ledger.outside_step():
         tag_dir = on_every_rank(lambda: _tag_dir(Path(load_dir), tag))
         if tag_dir is None:
             return None, None
-        meta, state, rng = on_every_rank(lambda: _read_engine_state(engine, tag_dir, load_module_strict))
-        if with_optimizer and meta["optimizer"] != type(engine.optimizer).__name__:
+        meta, state, rng, read = on_every_rank(lambda: _read_engine_state(engine, tag_dir, load_module_strict))
+        if with_optimizer and meta["optimizer"] not in (None, type(engine.optimizer).__name__):
             raise CheckpointError(f"{tag_dir} holds {meta['optimizer']} state but the engine's optimizer is "
                                   f"{type(engine.optimizer).__name__}; pass load_optimizer_states=False")
+        if with_optimizer and len(state["optimizer_groups"]) != len(engine.optimizer.param_groups):
+            raise CheckpointError(f"{tag_dir} holds {len(state['optimizer_groups'])} optimizer param groups but the "
+                                  f"engine's optimizer has {len(engine.optimizer.param_groups)}; build the groups as "
+                                  "the saving run did, or pass load_optimizer_states=False")
         keys = state["optimizer_state_keys"] if with_optimizer else None
         if with_optimizer:
             _create_scalar_state(engine.optimizer, state["optimizer_scalars"])
-        on_every_rank(lambda: _fill_pieces(engine, tag_dir, meta, keys))
+        on_every_rank(lambda: _fill_pieces(engine, tag_dir, meta, read, keys))
         engine.strategy.after_load()
         _load_rest(engine, state, rng, load_module_only, with_optimizer, load_lr_scheduler_states)
-    log_rank0("loaded checkpoint %s (saved at stage %d by %d ranks)", tag_dir, meta["stage"], meta["world_size"])
+    log_rank0("loaded %scheckpoint %s (saved at stage %d by %d ranks)", "DeepSpeed " if deepspeed.is_tag_dir(tag_dir) else "",
+              tag_dir, meta["stage"], meta["world_size"])
     return str(tag_dir), state["client_state"]
 
 
@@ -59,9 +67,26 @@ def _tag_dir(root: Path, tag: str | None) -> Path | None:
     return tag_dir
 
 
-def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, dict, dict | None]:
-    """meta.json checked against the model, engine.pt, and this rank's RNG state (None if it has none)."""
-    meta = read_meta(tag_dir)
+Read = Callable[[str], list]  # a rank file's name -> its saved pieces
+
+
+def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, dict, dict | None, Read]:
+    """meta.json checked against the model, engine.pt, this rank's RNG state (None if it has none),
+    and how to read a rank file's pieces. From a DeepSpeed checkpoint: the same, read from its files
+    (its meta has optimizer None; it saves no RNG state)."""
+    if deepspeed.is_tag_dir(tag_dir):
+        saved = deepspeed.DeepSpeedCheckpoint(tag_dir)
+        meta, state, rng, read = saved.meta, saved.state, None, saved.pieces
+    else:
+        meta = read_meta(tag_dir)
+        checked: set[str] = set()  # files whose sha256 was verified
+        state, rng = verified_load(tag_dir, ENGINE, meta), _read_rng(tag_dir, meta)
+        read = lambda name: verified_load(tag_dir, name, meta, mmap=True, checked=checked)["pieces"]  # noqa: E731
+    _check_model(engine, tag_dir, meta, strict)
+    return meta, state, rng, read
+
+
+def _check_model(engine: Any, tag_dir: Path, meta: dict, strict: bool) -> None:
     shapes = {n: list(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}  # stage 3: full
     trainable = _trainable_names(engine)
     saved = {n: info["shape"] for n, info in meta["params"].items()}
@@ -72,7 +97,6 @@ def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, 
         raise CheckpointError(f"{tag_dir} does not match this model: " + "; ".join(filter(None, [
             f"size differs for {wrong}" if wrong else "", f"missing {missing}" if missing else "",
             f"unexpected {unexpected}" if unexpected else ""])) + " (load_module_strict=False skips missing/unexpected)")
-    return meta, verified_load(tag_dir, ENGINE, meta), _read_rng(tag_dir, meta)
 
 
 def _trainable_names(engine: Any) -> set[str]:
@@ -98,11 +122,10 @@ def _create_scalar_state(optimizer: torch.optim.Optimizer, scalars: list[dict]) 
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _fill_pieces(engine: Any, tag_dir: Path, meta: dict, keys: list[str] | None) -> None:
+def _fill_pieces(engine: Any, tag_dir: Path, meta: dict, read: Read, keys: list[str] | None) -> None:
     """Batch by batch (`Strategy.resident_pieces`): create the batch's element-wise optimizer state
     (`keys`; None: the optimizer state is not loaded), then copy in every saved range that overlaps
     its pieces, reading only the saved files that hold such ranges."""
-    checked: set[str] = set()  # files whose sha256 was verified
     short = []
     for tensors, make_pieces in engine.strategy.resident_pieces(saving=False):
         if keys:
@@ -115,10 +138,10 @@ def _fill_pieces(engine: Any, tag_dir: Path, meta: dict, keys: list[str] | None)
             wanted.setdefault(piece.name, []).append(piece)
         filled = {id(p): 0 for p in pieces}
         for name, info in meta["files"].items():
-            if not name.startswith("rank_") or not any(_overlap(w, o, n) for n_, o, n in info["pieces"]
+            if not any(_overlap(w, o, n) for n_, o, n in info.get("pieces", [])
                                                        for w in wanted.get(n_, [])):
                 continue
-            for saved in verified_load(tag_dir, name, meta, mmap=True, checked=checked)["pieces"]:
+            for saved in read(name):
                 for piece in wanted.get(saved["name"], []):
                     filled[id(piece)] += _copy_overlap(saved, piece, keys is not None)
         short += [p.name for p in pieces if filled[id(p)] != p.numel and p.name in meta["params"]]
@@ -159,8 +182,8 @@ def _load_rest(engine: Any, state: dict, rng: dict | None, module_only: bool, wi
         setattr(engine, key, value)
     engine.loss_scaler.load_state_dict(state["loss_scaler"])
     for group, saved in zip(engine.optimizer.param_groups, state["optimizer_groups"]):
-        if with_optimizer:
-            group.update(saved)
+        if with_optimizer:  # hyperparameters; how the optimizer runs (fused, foreach...) stays this run's
+            group.update({k: v for k, v in saved.items() if k not in _IMPLEMENTATION_FLAGS})
         elif with_scheduler:  # the scheduler continues from the saved lr, not from the fresh one
             group.update({k: v for k, v in saved.items() if k in ("lr", "initial_lr")})
     if with_scheduler and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -172,10 +195,14 @@ def _load_rest(engine: Any, state: dict, rng: dict | None, module_only: bool, wi
         _restore_rng(rng)
 
 
+_IMPLEMENTATION_FLAGS = {"foreach", "fused", "capturable", "differentiable"}
+
+
 def _read_rng(tag_dir: Path, meta: dict) -> dict | None:
     rank = comm.get_rank()
-    if rank >= meta["world_size"]:
-        logger.info("rank %d has no saved RNG state (saved by %d ranks): keeping its own", rank, meta["world_size"])
+    if rng_file(rank) not in meta["files"]:  # more ranks now, or converted from DeepSpeed (which saves none)
+        logger.info("rank %d has no saved RNG state (%s): keeping its own", rank,
+                    f"saved by {meta['world_size']} ranks" if rank >= meta["world_size"] else "none was saved")
         return None
     return verified_load(tag_dir, rng_file(rank), meta)
 
