@@ -25,7 +25,9 @@ from torch.utils.data import DataLoader, Dataset
 from zerodp import checkpointing, comm
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ResumableDistributedSampler
-from zerodp.log import log_rank0
+from zerodp.log import log_rank0, logger
+from zerodp.memory import DEVICE, Category
+from zerodp.offload.park import ParkedStorages
 from zerodp.precision import make_loss_scaler, overflow_message
 from zerodp.timers import ThroughputTimer, Timers
 from zerodp.zero.base import Strategy
@@ -56,6 +58,7 @@ class Engine(nn.Module):
         self.optimizer = strategy.optimizer
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = make_loss_scaler(config.fp16)
+        self._parked = ParkedStorages()  # engine.offload_states()
         self.check_overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
         self.timers = Timers(synchronize=config.wall_clock_breakdown and strategy.device.type == "cuda")
         self.tput_timer = ThroughputTimer(config.train_batch_size)
@@ -214,6 +217,7 @@ class Engine(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (inputs cast to fp16 when `fp16.auto_cast`)."""
+        self._check_resident("forward")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
         with self.timers("fwd"), self._explained_errors(), \
@@ -241,6 +245,7 @@ class Engine(nn.Module):
         the accumulation steps (DeepSpeed's return value). Reduces gradients at the boundary."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
+        self._check_resident("backward")
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
         gas = self.config.gradient_accumulation_steps
         scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
@@ -287,6 +292,7 @@ class Engine(nn.Module):
         the scheduler, zero gradients; elsewhere only count the micro-batch."""
         if self._no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave no_sync before the boundary step")
+        self._check_resident("step")
         self._in_step = True
         try:
             if self.is_gradient_accumulation_boundary():
@@ -388,6 +394,7 @@ class Engine(nn.Module):
         `global_step{N}`); call it on every rank. See docs/checkpoints.md."""
         from zerodp.checkpoint import save_checkpoint
 
+        self._check_resident("save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
@@ -397,8 +404,46 @@ class Engine(nn.Module):
         or (None, None) when `load_dir/latest` does not exist. Call it on every rank."""
         from zerodp.checkpoint import load_checkpoint
 
+        self._check_resident("load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
+
+    # --- freeing the device between phases (RLHF) ---------------------------------------------
+
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Move this rank's training state off the device into host memory until `reload_states()`
+        (DeepSpeed's method: RLHF loops free the device for generation between training phases).
+        `include`: which of "optim_states" (optimizer state), "hp_params" (fp32 masters; in fp32
+        training the parameters themselves), "lp_params" (16-bit parameters), "lp_grads" and
+        "contiguous_grad_buffer" (gradient buffers); default all (DeepSpeed's `OffloadStateTypeEnum`
+        values work too). State already offloaded by the config stays where it is. `device`: "cpu"
+        ("none" does nothing). `pin_memory`: page-locked host buffers (CUDA). Until reloaded, forward,
+        backward, step and checkpoints raise. See zerodp/offload/park.py."""
+        kinds = _offload_kinds(include)
+        device = getattr(device, "value", device)
+        if device == "none":
+            logger.warning("offload_states(device='none'): nothing to do")
+            return
+        if device != "cpu":
+            raise ValueError(f"offload_states(device={device!r}): only 'cpu' is supported (as in DeepSpeed; "
+                             "NVMe offload of model states is the config's offload_optimizer / offload_param)")
+        categories = {category for kind in kinds for category in _OFFLOAD_KINDS[kind]}
+        ledger = self.strategy.ledger()
+        tensors = [t for (category, tier), held in ledger.tensors.items() if category in categories and tier == DEVICE
+                   for t in held]
+        moved = self._parked.park(tensors, pin_memory=pin_memory, non_blocking=non_blocking)
+        logger.info("offload_states: %d bytes of %s moved to host memory", moved, ", ".join(sorted(kinds)))
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what `offload_states` moved, every tensor at its old place (no-op when nothing is)."""
+        moved = self._parked.restore(non_blocking=non_blocking)
+        logger.info("reload_states: %d bytes moved back", moved)
+
+    def _check_resident(self, what: str) -> None:
+        if len(self._parked):
+            raise RuntimeError(f"engine.{what}() while the engine's states are offloaded (engine.offload_states()): "
+                               "call engine.reload_states() first")
 
     def _frozen_names(self) -> set[str]:
         """State-dict names of the module's frozen parameters (tied aliases included)."""
@@ -525,3 +570,22 @@ def _describe(x: Any) -> str:
         return f"a tensor of shape {tuple(x.shape)}"
     return f"a {type(x).__name__}"
 
+
+_OFFLOAD_KINDS = {"optim_states": (Category.OPTIM_STATE,), "hp_params": (Category.PARAM32_MASTER,),
+                  "lp_params": (Category.PARAM16,), "lp_grads": (Category.GRAD,),
+                  "contiguous_grad_buffer": (Category.GRAD,)}
+"""DeepSpeed's OffloadStateTypeEnum values -> the ledger categories they name."""
+
+
+def _offload_kinds(include: Any) -> set[str]:
+    """The state kinds `offload_states(include=...)` names (None: all), checked."""
+    if include is None:
+        return set(_OFFLOAD_KINDS)
+    if isinstance(include, (str, bytes)) or not hasattr(include, "__iter__"):
+        include = [include]
+    kinds = {getattr(kind, "value", kind) for kind in include}
+    unknown = sorted(str(k) for k in kinds - set(_OFFLOAD_KINDS))
+    if unknown:
+        raise ValueError(f"offload_states(include=...): unknown state {unknown}; the states are "
+                         f"{sorted(_OFFLOAD_KINDS)} (DeepSpeed's OffloadStateTypeEnum)")
+    return kinds

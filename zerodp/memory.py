@@ -41,17 +41,23 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 @dataclass
 class MemoryLedger:
-    """Bytes by (category, tier), plus named transient peaks."""
+    """Bytes by (category, tier), plus named transient peaks; `tensors` keeps what was counted, by
+    (category, tier), for `engine.offload_states` to find."""
 
     held: dict[tuple[Category, str], int] = field(default_factory=lambda: defaultdict(int))
     transient_peak: dict[str, int] = field(default_factory=dict)
+    tensors: dict[tuple[Category, str], list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
 
     def add(self, category: Category, tensors: torch.Tensor | Iterable[torch.Tensor], tier: str = DEVICE) -> None:
-        """Count `tensors` (never views of something already counted) under `category`, in `tier`."""
+        """Count `tensors` (never views of something already counted) under `category`, in `tier`.
+        A device tensor whose storage is parked in host memory (`engine.offload_states`; its storage
+        is 0 bytes until `reload_states`) counts in "cpu"."""
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         for t in tensors:
-            self.held[(category, tier)] += nbytes(t)
+            where = CPU if tier == DEVICE and t.numel() and t.untyped_storage().nbytes() == 0 else tier
+            self.held[(category, where)] += nbytes(t)
+            self.tensors[(category, where)].append(t)
 
     def add_bytes(self, category: Category, tier: str, num_bytes: int) -> None:
         """Count bytes that are not a torch tensor (a file on NVMe, say)."""
