@@ -47,6 +47,18 @@ def batch(rank: int, step: int, micro: int, micro_batch: int = 4, seq: int = 8, 
     return idx, torch.roll(idx, 1, dims=1)
 
 
+def train_steps(engine, rank: int, steps: range, gas: int = 2) -> list[float]:
+    """Train `engine` on `batch(rank, step, micro)` for `steps` x `gas` micro-batches; the losses."""
+    losses = []
+    for step in steps:
+        for micro in range(gas):
+            loss = engine(*batch(rank, step, micro))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
 class Branchy(nn.Module):
     """What real models do to a data-parallel engine: a frozen layer, a layer used twice, and a
     branch (`maybe`) that runs only when the caller says so (different ranks may differ)."""

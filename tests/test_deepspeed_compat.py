@@ -18,7 +18,7 @@ import torch
 
 import _zerodp_as_deepspeed as switch
 from tests.harness import run_ranks
-from tests.models import batch, make_model, two_groups
+from tests.models import batch, make_model, train_steps, two_groups
 from zerodp.compat import deepspeed as ds
 from zerodp.launcher import deepspeed_torchrun_argv, hostfile_slots
 
@@ -146,14 +146,7 @@ def _train_with(rank: int, world: int, stage: int, optimizer_name: str, offload:
     engine, *_ = zerodp.initialize(model=model, optimizer=make(two_groups(model)),
                                    config={"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
                                            "zero_optimization": zero})
-    losses = []
-    for step in range(3):
-        for micro in range(2):
-            loss = engine(*batch(rank, step, micro))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
+    return train_steps(engine, rank, range(3))
 
 
 @pytest.mark.parametrize("stage,optimizer_name,offload", [(0, "FusedAdam", False), (1, "FusedAdam", False),

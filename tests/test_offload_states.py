@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
-from tests.models import batch, make_model, two_groups
+from tests.models import batch, make_model, train_steps, two_groups
 
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}}
 
@@ -22,17 +22,6 @@ def _engine(stage: int, precision: str):
     return engine
 
 
-def _train(engine, rank: int, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        for micro in range(2):
-            loss = engine(*batch(rank, step, micro))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
-
-
 def _weights(engine) -> list[torch.Tensor]:
     import zerodp
 
@@ -44,9 +33,9 @@ def _with_and_without(rank: int, world: int, stage: int, precision: str):
     from zerodp.memory import MODEL_STATE_CATEGORIES
 
     plain = _engine(stage, precision)
-    expected = _train(plain, rank, range(4)), _weights(plain)
+    expected = train_steps(plain, rank, range(4)), _weights(plain)
     engine = _engine(stage, precision)
-    losses = _train(engine, rank, range(2))
+    losses = train_steps(engine, rank, range(2))
     before = engine.strategy.ledger()
     engine.offload_states()
     during = engine.strategy.ledger()
@@ -58,7 +47,7 @@ def _with_and_without(rank: int, world: int, stage: int, precision: str):
             errors.append(str(err))
     engine.offload_states()  # a second call moves nothing more
     engine.reload_states()
-    losses += _train(engine, rank, range(2, 4))
+    losses += train_steps(engine, rank, range(2, 4))
     device_bytes = [sum(led.bytes(c, "device") for c in MODEL_STATE_CATEGORIES) for led in (before, during)]
     cpu_bytes = [led.bytes(tier="cpu") for led in (before, during)]
     return expected, (losses, _weights(engine)), device_bytes, cpu_bytes, errors
@@ -80,7 +69,7 @@ def _only_optimizer_state(rank: int, world: int):
     from zerodp.memory import Category
 
     engine = _engine(2, "bf16")
-    _train(engine, rank, range(1))
+    train_steps(engine, rank, range(1))
     engine.offload_states(include=[OffloadStateTypeEnum.optim_states], pin_memory=False)
     ledger = engine.strategy.ledger()
     held = {c: ledger.bytes(c, "device") for c in (Category.OPTIM_STATE, Category.PARAM16, Category.PARAM32_MASTER)}
