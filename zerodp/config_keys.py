@@ -44,7 +44,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
     "checkpoint.use_node_local_storage": (False, "checkpoints are written to a directory every rank shares"),
     "checkpoint.parallel_write.pipeline_stage": (False, _PIPE),
     "data_types.param_dtype": (None, "the working dtype comes from the bf16 / fp16 sections"),
-    "data_types.buffer_dtype": (None, "floating buffers take the working dtype, others keep theirs"),
+    "data_types.buffer_dtype": (None, "buffers keep the dtype they were built with (DeepSpeed's default)"),
     "data_types.keep_in_fp32_modules": (("auto", None), "no module is kept in fp32: every parameter trains in the "
                                                         "working dtype"),
     "sequence_parallel_size": (1, "no sequence parallelism"),

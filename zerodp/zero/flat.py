@@ -58,13 +58,18 @@ class FlatGradBuffer:
 
 
 def prepare_module(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Move `module` to `device`, cast its floating-point parameters and buffers to `dtype`
-    (integer buffers untouched), and make every rank start from rank 0's values."""
+    """Move `module` to `device`, cast its floating-point parameters to `dtype`, and make every rank
+    start from rank 0's values. Buffers keep their dtype, as in DeepSpeed 0.19 (a rotary `inv_freq`
+    stays fp32; a bf16 copy of it would change the model's outputs)."""
     narrow = {p.dtype for p in module.parameters() if p.is_floating_point() and p.element_size() < 4}
     if dtype == torch.float32 and narrow:
         warn_once(f"casting the model's {sorted(map(str, narrow))} parameters to fp32, which doubles their "
                   'memory: the config enables neither "bf16" nor "fp16"; enable one to train in 16 bits')
-    module.to(device=device, dtype=dtype)
+    module.to(device=device)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
     _broadcast_from_rank0(module)
 
 

@@ -163,11 +163,11 @@ class Stage3(Strategy):
 
     @torch.no_grad()
     def _place_buffers(self, module: nn.Module) -> None:
-        """Buffers stay whole: cast floating ones to the working dtype, move, take rank 0's values."""
+        """Buffers stay whole and keep their dtype (as in DeepSpeed 0.19; see flat.prepare_module):
+        move, take rank 0's values."""
         for sub in module.modules():
             for name, buf in sub.named_buffers(recurse=False):
-                dtype = self.policy.param_dtype if buf.is_floating_point() else buf.dtype
-                sub._buffers[name] = buf = buf.to(device=self.device, dtype=dtype)
+                sub._buffers[name] = buf = buf.to(device=self.device)
                 if self.num_ranks > 1:
                     comm.broadcast(buf, src=0)
 
