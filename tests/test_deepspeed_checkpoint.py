@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.fixtures.deepspeed.model import Model, param_groups
-from tests.harness import RankFailed, full_state, run_ranks
+from tests.harness import full_state, run_ranks
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -132,6 +132,11 @@ def test_zerodp_ckpt_convert_from_deepspeed_writes_a_zerodp_checkpoint_and_full_
     masters = torch.load(FIXTURES / "stage2_fp16" / "expected.pt", weights_only=True)["params"]
     assert all(torch.equal(weights[n], t["master"]) for n, t in masters.items())
     assert torch.equal(weights["gain"], torch.linspace(0.5, 1.5, 5).half()) and "offset" in weights
+    # and what a DeepSpeed user calls for the same thing
+    from zerodp.compat.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(FIXTURES / "stage2_fp16"))
+    assert state_dict.keys() == weights.keys() and all(torch.equal(state_dict[n], weights[n]) for n in weights)
 
 
 @pytest.mark.parametrize("argv, message", [
