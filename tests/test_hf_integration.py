@@ -39,6 +39,8 @@ def test_trainer_with_lora_bf16_resumes_bitwise_and_saves_what_it_trained(tmp_pa
     assert len(result["losses"]) == 4 and result["resumed_losses"] == result["losses"][2:]
     assert result["resumed_bitwise"] and result["num_lora"] == 4
     assert result["eval_loss"] < result["losses"][0]
+    if stage == 3:  # evaluate() before any training: an engine without an optimizer
+        assert abs(result["eval_before"] - result["untrained_loss"]) < 1e-6, result
     assert "adapter_model.safetensors" in result["saved"] and result["saved_matches"]
     assert {"config.json", "model.safetensors"} <= set(result["saved_full"]) and result["saved_full_matches"]
 

@@ -14,7 +14,7 @@ from zerodp.config import ZeroDPConfig, load_config
 from zerodp.engine import Engine
 from zerodp.log import log_rank0, show_on_stderr, warn_once
 from zerodp.offload.cpu import Home, preflight_offload
-from zerodp.optim import optimizer_factory, param_groups_from
+from zerodp.optim import NoOptimizer, forward_only_reason, optimizer_factory, param_groups_from
 from zerodp.precision import DtypePolicy
 from zerodp.zero import strategy_class
 from zerodp.zero.units import full_numel
@@ -36,6 +36,8 @@ def initialize(
     config_params: Any = None,
 ) -> tuple[Engine, torch.optim.Optimizer, Any, Any]:
     """Wrap `model` for ZeRO training; returns (engine, optimizer, training_dataloader, lr_scheduler).
+    With no optimizer (none passed, none in the config), or none passed and every parameter frozen,
+    the engine runs forward only: partitioned at stage 3, no gradients, masters or optimizer state.
 
     Args (DeepSpeed's signature):
         model: the torch.nn.Module to train.
@@ -60,7 +62,8 @@ def initialize(
     cfg = load_config(config if config is not None else config_params, args=args, world_size=_known_world_size())
     policy = DtypePolicy.from_config(cfg)
     strategy_cls = strategy_class(cfg)
-    groups = param_groups_from(model, model_parameters, optimizer)
+    forward_only = forward_only_reason(model, model_parameters, optimizer, cfg.optimizer)
+    groups = [] if forward_only else param_groups_from(model, model_parameters, optimizer)
     _check_partitioning(model, cfg)
     preflight_offload(cfg, sum(full_numel(p) for g in groups for p in g["params"]))
     if dist_init_required is False and not comm.is_initialized():
@@ -68,18 +71,22 @@ def initialize(
     comm.init_distributed()
     device = comm.device_for_backend()
     optimizer_device = Home.for_section(device, cfg.zero_optimization.offload_optimizer).device  # the host if offloaded
-    make_optimizer = optimizer_factory(optimizer, cfg.optimizer, optimizer_device)
+    make_optimizer = (lambda _: NoOptimizer(forward_only)) if forward_only else \
+        optimizer_factory(optimizer, cfg.optimizer, optimizer_device)
     _check_ranks_agree(model, cfg, device)
     strategy = strategy_cls(cfg, policy, device)
     strategy.wrap(model, groups, make_optimizer)
     _warn_if_slow_offloaded_optimizer(strategy)
-    scheduler = _make_scheduler(lr_scheduler, cfg, strategy.optimizer)
+    if forward_only and (lr_scheduler is not None or cfg.scheduler is not None):
+        warn_once(f"the engine runs forward only ({forward_only}): its lr scheduler is not built")
+    scheduler = None if forward_only else _make_scheduler(lr_scheduler, cfg, strategy.optimizer)
     if cfg.activation_checkpointing != type(cfg.activation_checkpointing)():
         checkpointing.configure(deepspeed_config=cfg)
     engine = Engine(model, cfg, strategy, scheduler, training_data, collate_fn)
     comm.ledger.end_init()
     show_on_stderr(cfg.log_level)
-    log_rank0("zerodp: stage %d, %s, %s", cfg.zero_optimization.stage, cfg.precision, cfg.batch.describe())
+    log_rank0("zerodp: stage %d, %s, %s", cfg.zero_optimization.stage, cfg.precision,
+              f"forward only ({forward_only})" if forward_only else cfg.batch.describe())
     if cfg.dump_state:
         log_rank0("zerodp config, resolved (dump_state):\n%s", cfg.model_dump_json(indent=2, exclude_none=True))
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -28,6 +28,7 @@ from zerodp.data import ResumableDistributedSampler
 from zerodp.log import log_rank0, logger
 from zerodp.memory import DEVICE, Category
 from zerodp.offload.park import ParkedStorages
+from zerodp.optim import NoOptimizer
 from zerodp.precision import make_loss_scaler, overflow_message
 from zerodp.timers import ThroughputTimer, Timers
 from zerodp.zero.base import Strategy
@@ -246,6 +247,7 @@ class Engine(nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
         self._check_resident("backward")
+        self._check_trains("backward")
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
         gas = self.config.gradient_accumulation_steps
         scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
@@ -293,6 +295,7 @@ class Engine(nn.Module):
         if self._no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave no_sync before the boundary step")
         self._check_resident("step")
+        self._check_trains("step")
         self._in_step = True
         try:
             if self.is_gradient_accumulation_boundary():
@@ -439,6 +442,17 @@ class Engine(nn.Module):
         """Bring back what `offload_states` moved, every tensor at its old place (no-op when nothing is)."""
         moved = self._parked.restore(non_blocking=non_blocking)
         logger.info("reload_states: %d bytes moved back", moved)
+
+    @property
+    def forward_only(self) -> bool:
+        """Whether this engine was built without an optimizer (see zerodp.initialize): forward only."""
+        return isinstance(self.optimizer, NoOptimizer)
+
+    def _check_trains(self, what: str) -> None:
+        if self.forward_only:
+            raise RuntimeError(f"engine.{what}() on an engine that runs forward only ({self.optimizer.reason}); "
+                               "to train, pass optimizer= to initialize() or add an \"optimizer\" section to the "
+                               "config, and leave some parameters trainable")
 
     def _check_resident(self, what: str) -> None:
         if len(self._parked):

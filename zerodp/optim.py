@@ -17,6 +17,44 @@ from zerodp.config_hparams import optimizer_class, optimizer_kwargs
 from zerodp.log import logger
 from zerodp.zero.base import OptimizerFactory
 
+class NoOptimizer:
+    """The optimizer of an engine that runs forward only (RLHF reference and reward models, evaluation
+    before training): no param groups, no state. `reason` says why the engine has no optimizer."""
+
+    zerodp_elementwise = True  # nothing is updated, so nothing can be cut wrongly: accepted at every stage
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self.param_groups: list[dict] = []
+        self.state: dict = {}
+        self.defaults: dict = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing holds gradients."""
+
+    def step(self, closure: Any = None) -> None:
+        raise RuntimeError(f"this engine runs forward only ({self.reason}): there is nothing to step")
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Nothing to restore."""
+
+
+def forward_only_reason(module: nn.Module, model_parameters: Iterable | None, optimizer: Any,
+                        optimizer_config: Any) -> str | None:
+    """Why initialize() builds a forward-only engine (None: it trains): no optimizer passed and none
+    in the config, or no optimizer passed and every parameter frozen."""
+    if optimizer is not None:
+        return None
+    if optimizer_config is None:
+        return 'built without an optimizer: no optimizer= and no "optimizer" section in the config'
+    if model_parameters is None and not any(p.requires_grad for p in module.parameters()):
+        return "every parameter of the model is frozen"
+    return None
+
+
 def param_groups_from(
     module: nn.Module,
     model_parameters: Iterable | None,

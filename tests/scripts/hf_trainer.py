@@ -4,10 +4,17 @@
 
 Run under ZERODP_AS_DEEPSPEED=1 (zerodp run sets it). A tiny GPT-2 built from a config is saved, then
 loaded with `from_pretrained` (under zero.Init at stage 3, through transformers' own ZeRO-3 path) and
-fine-tuned with PEFT LoRA in bf16 three times: 4 steps straight; 2 steps saving a checkpoint; resumed
-from that checkpoint to step 4; then every weight for 2 steps. It prints one JSON line on rank 0: the
-losses, the evaluation loss, whether the resumed LoRA weights equal the uninterrupted ones bitwise, and
-whether what save_model wrote (the adapter; the consolidated full model) holds the trained weights.
+fine-tuned with PEFT LoRA in bf16 three times: 4 steps straight; 2 steps saving a checkpoint;
+resumed from that checkpoint to step 4; then every weight for 2 steps. At stage 3 the untrained
+model is first evaluated by a Trainer of its own (transformers evaluates before training at stage 3
+only, on an engine without an optimizer). It prints one JSON line on rank 0: the losses, the
+evaluation losses (and the untrained model's in plain torch), whether the resumed LoRA weights equal
+the uninterrupted ones bitwise, and whether what save_model wrote (the adapter; the consolidated
+full model) holds the trained weights.
+
+(`evaluate()` and then `train()` on one Trainer fails at stage 3 with transformers 5.24 and
+accelerate 1.15, on a real DeepSpeed too: the Trainer keeps the evaluation engine as its wrapped
+model, so `train()` skips `accelerator.prepare` and `accelerator.backward` finds no engine.)
 """
 
 import json
@@ -60,17 +67,36 @@ deepspeed.init_distributed(dist_backend=None if torch.cuda.is_available() else "
 deepspeed.comm.barrier()  # the base model is on disk for every rank
 
 
-def run(name: str, max_steps: int, resume: str | None = None, lora: bool = True) -> tuple[Trainer, Losses]:
-    args = TrainingArguments(output_dir=os.path.join(out, name), per_device_train_batch_size=2,
+def plain_eval_loss() -> float:
+    """The untrained model's evaluation loss from a Trainer without DeepSpeed (built before any DeepSpeed
+    config exists, so the model is not under zero.Init), the model in bf16 as DeepSpeed's is."""
+    model = AutoModelForCausalLM.from_pretrained(base).to(torch.bfloat16)
+    args = TrainingArguments(output_dir=os.path.join(out, "plain"), report_to=[], use_cpu=True, disable_tqdm=True)
+    return Trainer(model=model, args=args, eval_dataset=Tokens()).evaluate()["eval_loss"]
+
+
+untrained_loss = plain_eval_loss()
+
+
+def arguments(name: str, max_steps: int) -> TrainingArguments:
+    return TrainingArguments(output_dir=os.path.join(out, name), per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_steps=max_steps, learning_rate=1e-2, logging_steps=1,
                              save_strategy="steps", save_steps=2, report_to=[], bf16=True, deepspeed=DS_CONFIG,
                              use_cpu=True, seed=0, data_seed=0, disable_tqdm=True)
+
+
+def model_to_train(lora: bool = True) -> torch.nn.Module:
     torch.manual_seed(0)  # LoRA's random init: the same in each run of this process
     model = AutoModelForCausalLM.from_pretrained(base)
     if lora:
         model = get_peft_model(model, LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    return model
+
+
+def run(name: str, max_steps: int, resume: str | None = None, lora: bool = True) -> tuple[Trainer, Losses]:
     losses = Losses()
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(), callbacks=[losses])
+    trainer = Trainer(model=model_to_train(lora), args=arguments(name, max_steps), train_dataset=Tokens(),
+                      eval_dataset=Tokens(), callbacks=[losses])
     trainer.train(resume_from_checkpoint=resume)
     return trainer, losses
 
@@ -81,6 +107,8 @@ def trained_weights(trainer: Trainer) -> dict:
         return {n: p.detach().float().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
+eval_before = Trainer(model=model_to_train(), args=arguments("eval_before", 1), eval_dataset=Tokens()).evaluate()[
+    "eval_loss"] if stage == 3 else None
 straight, straight_losses = run("straight", 4)
 eval_loss = straight.evaluate()["eval_loss"]
 expected = trained_weights(straight)
@@ -104,6 +132,7 @@ if rank == 0:
                   for n, t in load_file(os.path.join(out, "saved", "adapter_model.safetensors")).items()}
     print(json.dumps({
         "losses": straight_losses.losses, "resumed_losses": resumed_losses.losses, "eval_loss": eval_loss,
+        "eval_before": eval_before, "untrained_loss": untrained_loss,
         "resumed_bitwise": sorted(got) == sorted(expected) and all(torch.equal(got[n], expected[n]) for n in expected),
         "num_lora": len(expected), "saved": sorted(os.listdir(os.path.join(out, "saved"))),
         "saved_matches": sorted(saved_lora) == sorted(expected)

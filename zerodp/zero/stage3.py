@@ -135,7 +135,8 @@ class Stage3(Strategy):
                 if not is_partitioned(p):
                     p.ds_shape, p.ds_numel = p.shape, p.numel()
             unit = Unit(index, name, m, params, self.rank, self.num_ranks, self.policy.param_dtype, self.device,
-                        persistent, shard_device=self.param_home.device, offloaded=self.param_home.offload)
+                        persistent, shard_device=self.param_home.device, offloaded=self.param_home.offload,
+                        trains=self.group_of.__contains__)
             self._fill_from_rank0(unit)
             self._init_grad_state(unit)
             self._swap_out(unit)  # NVMe: one unit's shard and master in memory at a time, even here

@@ -33,6 +33,7 @@ import contextlib
 import itertools
 from dataclasses import dataclass
 from enum import Enum
+from typing import Callable
 
 import torch
 from torch import nn
@@ -141,13 +142,15 @@ class Unit:
 
     def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter], rank: int,
                  num_ranks: int, dtype: torch.dtype, device: torch.device, persistent: bool = False,
-                 shard_device: torch.device | None = None, offloaded: bool = False) -> None:
+                 shard_device: torch.device | None = None, offloaded: bool = False,
+                 trains: Callable[[nn.Parameter], bool] | None = None) -> None:
         self.index, self.name, self.module, self.persistent = index, name, module, persistent
         self.num_ranks = num_ranks
         # never released: persistent, or nothing to shard across (1 rank) unless shards are offloaded
         keep_full = persistent or (num_ranks == 1 and not offloaded)
-        trainable = [p for p in params if p.requires_grad]
-        frozen = [p for p in params if not p.requires_grad]
+        trains = trains or (lambda p: p.requires_grad)  # the optimizer's parameters (none: forward only)
+        trainable = [p for p in params if trains(p)]
+        frozen = [p for p in params if not trains(p)]
         self.trainable = FlatShard(trainable, rank, num_ranks, dtype, device, keep_full, shard_device) if trainable else None
         self.frozen = FlatShard(frozen, rank, num_ranks, dtype, device, keep_full, shard_device) if frozen else None
         self.flats = [f for f in (self.trainable, self.frozen) if f is not None]

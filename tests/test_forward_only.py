@@ -1,0 +1,82 @@
+"""Engines that run forward only: no optimizer, or every parameter frozen (RLHF reference and reward
+models, Trainer.evaluate() before train). Partitioned at stage 3, nothing held for training."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.harness import RankFailed, run_ranks
+from tests.models import batch, make_model
+
+BF16 = {"bf16": {"enabled": True}}
+
+
+def _config(stage: int, **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, **zero}, **BF16}
+
+
+def _forward_only(rank: int, world: int, stage: int, frozen: bool, offload: bool):
+    import zerodp
+
+    model = make_model()
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    if frozen:
+        model.requires_grad_(False)
+    zero = {"stage3_param_persistence_threshold": 0, **({"offload_param": {"device": "cpu"}} if offload else {})}
+    config = _config(stage, **(zero if stage == 3 else {}))
+    if frozen:  # a shared config's optimizer: not built when nothing trains
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, optimizer, _, scheduler = zerodp.initialize(model=model, config=config)
+    with torch.no_grad():
+        outputs = [(engine(*batch(rank, s, 0)), reference(*batch(rank, s, 0))) for s in range(2)]
+    errors = []
+    for action in (lambda: engine.backward(engine(*batch(rank, 0, 0))), engine.step):
+        try:
+            action()
+        except RuntimeError as err:
+            errors.append(str(err))
+    return (engine.forward_only, optimizer.param_groups, scheduler, [torch.equal(a, b) for a, b in outputs],
+            engine.memory_report()["held"], errors)
+
+
+def _unit_shard_bytes(world: int) -> int:
+    """Design formula at stage 3 (no persistent parameters): each module's own parameters form a unit
+    whose flat buffer is cut into `world` equal shards; bf16 is 2 bytes an element."""
+    model, seen, total = make_model(), set(), 0
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        total += -(-sum(p.numel() for p in own) // world)
+    return 2 * total
+
+
+@pytest.mark.parametrize("stage, frozen, offload", [(0, False, False), (1, True, False), (2, False, False),
+                                                    (3, False, False), (3, True, True)])
+def test_a_forward_only_engine_matches_the_model_and_holds_nothing_for_training(stage, frozen, offload) -> None:
+    for forward_only, groups, scheduler, equal, held, errors in run_ranks(_forward_only, 2,
+                                                                         args=(stage, frozen, offload)):
+        assert forward_only and groups == [] and scheduler is None
+        assert all(equal)  # bitwise the unsharded bf16 model's outputs
+        assert set(held) <= {"param16", "buffer"}, held  # no gradients, fp32 masters or optimizer state
+        if stage == 3:
+            assert held["param16"] == {("cpu" if offload else "device"): _unit_shard_bytes(2)}
+        else:
+            assert held["param16"] == {"device": 2 * sum(p.numel() for p in make_model().parameters())}
+        assert len(errors) == 2 and all("runs forward only" in e for e in errors), errors
+        reason = "every parameter of the model is frozen" if frozen else "built without an optimizer"
+        assert all(reason in e for e in errors)
+
+
+def _frozen_with_an_optimizer(rank: int, world: int):
+    import zerodp
+
+    model = make_model().requires_grad_(False)
+    zerodp.initialize(model=model, config=_config(2), optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def test_an_optimizer_for_a_frozen_model_is_still_an_error() -> None:
+    with pytest.raises(RankFailed, match="the model has no trainable parameters"):
+        run_ranks(_frozen_with_an_optimizer, 1)
