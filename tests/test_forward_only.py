@@ -18,14 +18,15 @@ def _config(stage: int, **zero) -> dict:
     return {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, **zero}, **BF16}
 
 
-def _forward_only(rank: int, world: int, stage: int, frozen: bool, offload: bool):
+def _forward_only(rank: int, world: int, stage: int, frozen: bool, offload: str | None, swap_dir: str):
     import zerodp
 
     model = make_model()
     reference = copy.deepcopy(model).to(torch.bfloat16)
     if frozen:
         model.requires_grad_(False)
-    zero = {"stage3_param_persistence_threshold": 0, **({"offload_param": {"device": "cpu"}} if offload else {})}
+    param = {"device": offload, **({"nvme_path": swap_dir, "max_in_cpu": 0} if offload == "nvme" else {})}
+    zero = {"stage3_param_persistence_threshold": 0, **({"offload_param": param} if offload else {})}
     config = _config(stage, **(zero if stage == 3 else {}))
     if frozen:  # a shared config's optimizer: not built when nothing trains
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
@@ -53,16 +54,17 @@ def _unit_shard_bytes(world: int) -> int:
     return 2 * total
 
 
-@pytest.mark.parametrize("stage, frozen, offload", [(0, False, False), (1, True, False), (2, False, False),
-                                                    (3, False, False), (3, True, True)])
-def test_a_forward_only_engine_matches_the_model_and_holds_nothing_for_training(stage, frozen, offload) -> None:
+@pytest.mark.parametrize("stage, frozen, offload", [(0, False, None), (1, True, None), (2, False, None),
+                                                    (3, False, None), (3, True, "cpu"), (3, False, "nvme")])
+def test_a_forward_only_engine_matches_the_model_and_holds_nothing_for_training(tmp_path, stage, frozen,
+                                                                                offload) -> None:
     for forward_only, groups, scheduler, equal, held, errors in run_ranks(_forward_only, 2,
-                                                                         args=(stage, frozen, offload)):
+                                                                         args=(stage, frozen, offload, str(tmp_path))):
         assert forward_only and groups == [] and scheduler is None
         assert all(equal)  # bitwise the unsharded bf16 model's outputs
         assert set(held) <= {"param16", "buffer"}, held  # no gradients, fp32 masters or optimizer state
         if stage == 3:
-            assert held["param16"] == {("cpu" if offload else "device"): _unit_shard_bytes(2)}
+            assert held["param16"] == {(offload or "device"): _unit_shard_bytes(2)}
         else:
             assert held["param16"] == {"device": 2 * sum(p.numel() for p in make_model().parameters())}
         assert len(errors) == 2 and all("runs forward only" in e for e in errors), errors
