@@ -156,32 +156,13 @@ def _cmd_ckpt_inspect(args: argparse.Namespace) -> int:
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
-               "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """A size as Hugging Face and DeepSpeed write them: "5GB" and "5G" (10**9 bytes each), "5GiB"
-    (2**30), "500MB", "1.5GB", or a plain number of bytes. ValueError naming the spellings otherwise."""
-    number = text.strip().rstrip("bBiIkKmMgGtT")
-    unit = text.strip()[len(number):].upper()
-    try:
-        size = float(number)
-    except ValueError:
-        size = -1.0
-    if unit not in _SIZE_UNITS or not size > 0:
-        raise ValueError(f"--max-shard-size {text!r}: expected a size such as 5GB, 5G, 5GiB, 500MB or a number "
-                         "of bytes (KB/MB/GB = powers of 1000, KiB/MiB/GiB = powers of 1024, as in Hugging Face)")
-    return int(size * _SIZE_UNITS[unit])
-
-
 def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
-    import torch
-
     from pathlib import Path
 
+    import torch
+
     from zerodp.checkpoint import convert_to_safetensors, convert_to_torch
-    from zerodp.checkpoint.convert import copy_hf_config, hf_config_problem
+    from zerodp.checkpoint.convert import copy_hf_config, hf_config_problem, parse_size
     from zerodp.checkpoint.deepspeed import convert_to_zerodp, find_tag_dir
     from zerodp.checkpoint.format import CheckpointError
     from zerodp.metrics import ProgressBar
