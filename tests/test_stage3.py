@@ -558,3 +558,50 @@ def test_without_per_gather_checks_the_order_hash_names_each_ranks_modules() -> 
     with pytest.raises(RankFailed, match=r"ranks ran different modules(.|\n)*rank 0: <root> -> blocks.0 -> blocks.1"
                                          r"(.|\n)*rank 1: <root> -> blocks.1 -> blocks.0"):
         run_ranks(_different_order_without_per_gather_checks, 2, timeout=100)
+
+
+def _generation_inside_gathered_parameters(rank: int, world: int):
+    import zerodp
+    from zerodp import comm
+
+    engine, *_ = zerodp.initialize(model=make_block_lm(), config=_config(), optimizer=_adamw)
+
+    def all_gathers() -> int:
+        return sum(r.calls for (op, _), r in comm.ledger.current.items() if op.startswith("all_gather"))
+
+    def generate() -> tuple[torch.Tensor, int]:
+        idx, start = batch(rank, 7, 0)[0], all_gathers()
+        for _ in range(6):
+            idx = torch.cat([idx, engine(idx[:, -4:], None)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return idx, all_gathers() - start
+
+    engine.eval()
+    with torch.no_grad():
+        plain, plain_gathers = generate()
+        with zerodp.zero.GatheredParameters(engine.module.parameters()):
+            held, held_gathers = generate()
+            try:
+                engine.step()
+                refused = None
+            except RuntimeError as err:
+                refused = str(err)
+    released = all(u.held_full_bytes() == 0 for u in engine.strategy.units)
+    return plain_gathers, held_gathers, torch.equal(plain, held), refused, released, len(engine.strategy.units)
+
+
+def test_units_stay_gathered_inside_gathered_parameters_so_generation_gathers_nothing() -> None:
+    for plain, held, same, refused, released, units in run_ranks(_generation_inside_gathered_parameters, 2):
+        assert plain >= 6 * units and held == 0  # every forward gathers every unit (a reused block twice), or nothing
+        assert same and released
+        assert "inside zerodp.zero.GatheredParameters" in refused
+
+
+def _generate_in_a_block(engine, rank: int, step: int) -> None:
+    import zerodp
+
+    with torch.no_grad(), zerodp.zero.GatheredParameters(engine.module.parameters()):
+        _eval_and_generate(engine, rank, step)
+
+
+def test_generating_inside_gathered_parameters_between_steps_changes_nothing() -> None:
+    assert all(run_ranks(_with_between, 2, args=(_generate_in_a_block,)))

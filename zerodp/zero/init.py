@@ -156,7 +156,9 @@ def _init_shard_from(p: nn.Parameter, full: torch.Tensor) -> None:
 
 
 class GatheredParameters:
-    """Full parameters inside the block, partitioned again on exit (DeepSpeed's API).
+    """Full parameters inside the block, partitioned again on exit (DeepSpeed's API). Their units stay
+    gathered until the block exits: forwards inside it (a `generate()` call) gather nothing, where
+    each forward would otherwise gather and release every unit.
 
     Args:
         params: a parameter or an iterable of them (non-parameters and unpartitioned ones are
@@ -196,6 +198,7 @@ class GatheredParameters:
                 elif unit not in self.units:
                     self.units[unit] = unit.state is UnitState.SHARDED
                     unit.gather()
+                    unit.holds += 1
 
     @torch.no_grad()
     def __exit__(self, *exc: Any) -> None:
@@ -206,10 +209,11 @@ class GatheredParameters:
                 if getattr(p, "_zerodp_unit", None) is None:
                     self._repartition_init_param(p)
             for unit, was_sharded in self.units.items():
+                unit.holds -= 1
                 if self.modifier_rank is not None:
                     unit.take_values_from(self.modifier_rank)
                 if was_sharded:
-                    unit.release()
+                    unit.release()  # (a no-op while an enclosing block still holds it)
 
     def _repartition_init_param(self, p: nn.Parameter) -> None:
         full = p.data.reshape(-1)

@@ -109,6 +109,7 @@ class Stage3(Strategy):
         self.trace = UnitTrace()
         self._stats: torch.Tensor | None = None
         self.in_flight: list[tuple[Unit, torch.Tensor, object]] = []
+        self._all_held = False  # this forward pass runs with every unit held gathered (see _pre_forward)
         self._shard_writes: list = []  # NVMe parameter offload: shard write-backs of the step in flight
 
     # --- set-up ------------------------------------------------------------------------------------
@@ -249,6 +250,10 @@ class Stage3(Strategy):
         if _in_backward():  # recomputation of a checkpointed block: see [Note: stage-3 hooks]
             self._gather(unit)
             return None
+        if unit is self.root:  # a no-grad pass with every unit held by GatheredParameters (generate()):
+            self._all_held = not torch.is_grad_enabled() and all(u.holds or u.keeps_full for u in self.units)
+        if self._all_held:  # nothing to gather, prefetch, release or trace
+            return None
         if unit is self.root:
             self.trace.begin("forward")
         following = self.trace.visit("forward", unit.index)
@@ -271,7 +276,7 @@ class Stage3(Strategy):
         return tree_unflatten(leaves, spec)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output):
-        if _in_backward():
+        if _in_backward() or self._all_held:
             return None
         if torch.is_grad_enabled():
             needing = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -477,6 +482,10 @@ class Stage3(Strategy):
 
     @torch.no_grad()
     def step(self, loss_scale: float, max_norm: float) -> float:
+        held = [u.name for u in self.units if u.holds and not u.keeps_full]
+        if held:  # the step updates shards and masters, not the full buffers the block keeps
+            raise RuntimeError(f"engine.step() inside zerodp.zero.GatheredParameters(...) (units {held[:3]} are held "
+                               "gathered): the update would not reach the gathered parameters; step after the block")
         total_norm, coef = clip_coefficient(float(self._global_stats()[0]), loss_scale, max_norm)
         if self.swapper is None:
             self._step_units(self._trainable(), coef)

@@ -156,6 +156,7 @@ class Unit:
         self.flats = [f for f in (self.trainable, self.frozen) if f is not None]
         self.numel = sum(f.layout.padded_numel for f in self.flats)
         self.keeps_full = keep_full or not self.flats  # never released
+        self.holds = 0  # GatheredParameters blocks open on it: not released until the last one exits
         self.state = UnitState.GATHERED  # until `shard_from_full` has run (set through _enter)
         self._works: list = []  # all-gathers in flight
         self._reads: list = []  # NVMe parameter offload: shard reads in flight
@@ -268,7 +269,7 @@ class Unit:
         shards read ahead but not gathered."""
         if self.state is UnitState.SHARDED and self._wait_reads():
             self._evict_swapped_shards()
-        if self.keeps_full or self.state is UnitState.SHARDED:
+        if self.keeps_full or self.holds or self.state is UnitState.SHARDED:
             return
         if self.state is UnitState.GATHERING:
             self.finish_gather()
