@@ -276,7 +276,11 @@ class Stage3(Strategy):
         return tree_unflatten(leaves, spec)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output):
-        if _in_backward() or self._all_held:
+        if self._all_held:
+            if unit is self.root:  # the pass is over
+                self._all_held = False
+            return None
+        if _in_backward():
             return None
         if torch.is_grad_enabled():
             needing = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -295,6 +299,8 @@ class Stage3(Strategy):
 
     def _pre_forward_alone(self, unit: Unit, module: nn.Module, args: tuple) -> None:
         """A submodule of a released unit called outside the unit's forward: gather around it."""
+        if unit.holds and not torch.is_grad_enabled():  # gathered by GatheredParameters: nothing to do
+            return
         gather = unit.state is UnitState.SHARDED
         if not _in_backward():
             self._gathered_alone.append(gather)
@@ -302,6 +308,8 @@ class Stage3(Strategy):
             self._gather(unit)
 
     def _post_forward_alone(self, unit: Unit, module: nn.Module, args: tuple, output) -> None:
+        if unit.holds and not torch.is_grad_enabled():
+            return
         if _in_backward() or not self._gathered_alone.pop():
             return
         if torch.is_grad_enabled():
