@@ -50,14 +50,14 @@ class MemoryLedger:
 
     def add(self, category: Category, tensors: torch.Tensor | Iterable[torch.Tensor], tier: str = DEVICE) -> None:
         """Count `tensors` (never views of something already counted) under `category`, in `tier`.
-        Empty tensors are skipped. A device tensor whose storage is parked in host memory (`engine.offload_states`; its storage
-        is 0 bytes until `reload_states`) counts in "cpu"."""
+        Empty tensors are skipped. A device tensor whose storage is parked in host memory
+        (`engine.offload_states`: the storage is 0 bytes until `reload_states`) counts in "cpu"."""
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         for t in tensors:
             if not t.numel():  # holds nothing (a stage without that kind of state); not a row of its own
                 continue
-            where = CPU if tier == DEVICE and t.numel() and t.untyped_storage().nbytes() == 0 else tier
+            where = CPU if tier == DEVICE and t.untyped_storage().nbytes() == 0 else tier
             self.held[(category, where)] += nbytes(t)
             self.tensors[(category, where)].append(t)
 

@@ -17,6 +17,7 @@ from zerodp.config_hparams import optimizer_class, optimizer_kwargs
 from zerodp.log import logger
 from zerodp.zero.base import OptimizerFactory
 
+
 class NoOptimizer:
     """The optimizer of an engine that runs forward only (RLHF reference and reward models, evaluation
     before training): no param groups, no state. `reason` says why the engine has no optimizer."""
@@ -92,7 +93,8 @@ def optimizer_factory(optimizer: Any, optimizer_config: Any, device: torch.devic
     - an Optimizer instance: the same object is kept, its groups re-pointed at the strategy's
       tensors (so schedulers and user references keep working);
     - a callable: called with the strategy's param groups;
-    - None: built from `optimizer_config` ({type, params}); errors if that is missing too.
+    - None: built from `optimizer_config` ({type, params}); with that missing too, initialize()
+      builds a forward-only engine instead (`forward_only_reason`) and never asks for a factory.
     """
     if isinstance(optimizer, torch.optim.Optimizer):
         return lambda groups: _repoint(optimizer, groups)
@@ -100,11 +102,6 @@ def optimizer_factory(optimizer: Any, optimizer_config: Any, device: torch.devic
         return optimizer
     if optimizer is not None:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, a callable or None, got {type(optimizer).__name__}")
-    if optimizer_config is None:
-        raise ValueError(
-            "no optimizer: pass optimizer= to initialize() or add an \"optimizer\": {\"type\": \"AdamW\", "
-            "\"params\": {\"lr\": 1e-3}} section to the config"
-        )
     return lambda groups: build_optimizer(optimizer_config.type, dict(optimizer_config.params), groups, device)
 
 

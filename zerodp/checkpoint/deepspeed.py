@@ -160,9 +160,8 @@ class DeepSpeedCheckpoint:
                                   f"{[_rank_of(p) for p in optim_files]} (expected zero_pp_rank_0..{self.world_size - 1}"
                                   "_mp_rank_00_optim_states.pt); a stage-0 DeepSpeed checkpoint has none and is "
                                   "not supported")
-        self._files = {p.name: load_pickle(p, mmap=True) for p in optim_files}
-        self._optim = {name: _optimizer_state_dict(data, tag_dir / name) for name, data in self._files.items()}
-        first = self._optim[optim_files[0].name]
+        optim = {p.name: _optimizer_state_dict(load_pickle(p, mmap=True), p) for p in optim_files}
+        first = optim[optim_files[0].name]
         self.stage = int(first["zero_stage"])
         if (self.stage == 3) != stage3:
             raise CheckpointError(f"{tag_dir}: the optimizer files say ZeRO stage {self.stage} but the model states "
@@ -170,11 +169,10 @@ class DeepSpeedCheckpoint:
         config = states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {}
         self.precision = _precision(config)
         shapes = [dict(group) for group in states["param_shapes"]]
-        self._pieces = {name: (_stage3_pieces if stage3 else _stage12_pieces)(optim, shapes, _rank_of(Path(name)),
+        self._pieces = {name: (_stage3_pieces if stage3 else _stage12_pieces)(state, shapes, _rank_of(Path(name)),
                                                                             self.world_size, tag_dir / name)
-                        for name, optim in self._optim.items()}
-        dtype = str(next(iter(states["module"].values()), torch.empty(0)).dtype).removeprefix("torch.") \
-            if not stage3 else self.precision
+                        for name, state in optim.items()}
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.precision]  # the working dtype
         self.meta = {"stage": self.stage, "world_size": self.world_size, "precision": self.precision, "optimizer": None,
                      "params": {n: {"shape": list(s), "dtype": dtype} for group in shapes for n, s in group.items()},
                      "tied": dict(states.get("shared_params") or {}),

@@ -47,8 +47,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, load_mod
         on_every_rank(lambda: _fill_pieces(engine, tag_dir, meta, read, keys))
         engine.strategy.after_load()
         _load_rest(engine, state, rng, load_module_only, with_optimizer, load_lr_scheduler_states)
-    log_rank0("loaded %scheckpoint %s (saved at stage %d by %d ranks)", "DeepSpeed " if deepspeed.is_tag_dir(tag_dir) else "",
-              tag_dir, meta["stage"], meta["world_size"])
+    log_rank0("loaded %scheckpoint %s (saved at stage %d by %d ranks)",
+              "DeepSpeed " if deepspeed.is_tag_dir(tag_dir) else "", tag_dir, meta["stage"], meta["world_size"])
     return str(tag_dir), state["client_state"]
 
 

@@ -57,10 +57,6 @@ class ParkedStorages:
         self._parked.clear()
         return moved
 
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor`'s storage is parked here."""
-        return tensor.untyped_storage()._cdata in self._parked
-
 
 def _distinct_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
     seen: dict[int, torch.UntypedStorage] = {}
