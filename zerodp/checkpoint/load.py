@@ -88,11 +88,12 @@ def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, 
 
 def _check_model(engine: Any, tag_dir: Path, meta: dict, strict: bool) -> None:
     shapes = {n: list(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}  # stage 3: full
-    trainable = _trainable_names(engine)
+    names = _trainable_names(engine)
+    trainable = sorted(names)  # sorted: the same message on every rank and in every run
     saved = {n: info["shape"] for n, info in meta["params"].items()}
     wrong = [f"{n} (saved {saved[n]}, model {shapes[n]})" for n in trainable if n in saved and saved[n] != shapes[n]]
     missing = [n for n in trainable if n not in saved]
-    unexpected = [n for n in saved if n not in trainable]
+    unexpected = [n for n in saved if n not in names]
     if wrong or (strict and (missing or unexpected)):
         raise CheckpointError(f"{tag_dir} does not match this model: " + "; ".join(filter(None, [
             f"size differs for {wrong}" if wrong else "", f"missing {missing}" if missing else "",
