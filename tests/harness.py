@@ -112,3 +112,21 @@ def full_state(engine) -> dict:
                 full.setdefault(name, {}).setdefault(key, []).append((offset, t))
     return {n: {k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])]) for k, v in keys.items()}
             for n, keys in full.items()}
+
+
+def json_objects(text: str) -> list:
+    """Every JSON object printed in `text` by several processes sharing one stdout: each print is
+    one write (atomic under 4 KiB), but a newline may come apart from its line, so objects are read
+    where they start, not line by line."""
+    import json
+
+    decoder, objects, i = json.JSONDecoder(), [], text.find("{")
+    while i != -1:
+        try:
+            obj, end = decoder.raw_decode(text, i)
+        except ValueError:  # a "{" in other output
+            i = text.find("{", i + 1)
+            continue
+        objects.append(obj)
+        i = text.find("{", end)
+    return objects

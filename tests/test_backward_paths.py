@@ -136,7 +136,7 @@ def test_a_gan_trains_with_one_engine_s_loss_through_the_other_engine_s_model(st
             torch.testing.assert_close(p, ref, rtol=0, atol=1e-6)
 
 
-def test_deepspeed_s_gan_example_runs_unchanged_under_zerodp_deepspeed() -> None:
+def test_deepspeed_s_gan_example_runs_unchanged_under_zerodp_deepspeed(tmp_path) -> None:
     """The same loop as a launched DeepSpeed script (`import deepspeed`, `--local_rank`), stage 3."""
     import json
     import os
@@ -148,11 +148,11 @@ def test_deepspeed_s_gan_example_runs_unchanged_under_zerodp_deepspeed() -> None
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     env.pop("ZERODP_AS_DEEPSPEED", None)  # the launcher sets it
     out = subprocess.run([sys.executable, "-c", "from zerodp.cli import main; raise SystemExit(main())", "deepspeed",
-                          "--num_gpus", "2", str(repo / "tests" / "scripts" / "ds_gan.py"), "--stage", "3"],
-                         env=env, capture_output=True, text=True, timeout=300, cwd=repo, check=False)
+                          "--num_gpus", "2", str(repo / "tests" / "scripts" / "ds_gan.py"), "--stage", "3",
+                          "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300, cwd=repo,
+                         check=False)
     assert out.returncode == 0, out.stderr[-3000:]
-    launched = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")),
-                      key=lambda r: r["rank"])
+    launched = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
     reference = run_ranks(_gan, 2, args=(None,))
     for result, (ref_losses, _) in zip(launched, reference, strict=True):
         torch.testing.assert_close(result["losses"], ref_losses, rtol=0, atol=1e-6)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import _zerodp_as_deepspeed as switch
-from tests.harness import run_ranks
+from tests.harness import json_objects, run_ranks
 from tests.models import batch, make_model, train_steps, two_groups
 from zerodp.compat import deepspeed as ds
 from zerodp.launcher import deepspeed_torchrun_argv, hostfile_slots
@@ -304,7 +304,7 @@ def test_a_deepspeed_script_runs_unchanged_under_zerodp_s_launchers(tmp_path: Pa
                           str(config), *(["--offload"] if offload else [])],
                          env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
-    results = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    results = sorted((r for r in json_objects(out.stdout) if "rank" in r), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["child"] == "zerodp.compat.deepspeed" for r in results)  # the workers' own children too
     assert all(len(r["losses"]) == 6 for r in results)

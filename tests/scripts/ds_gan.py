@@ -1,9 +1,9 @@
 """DeepSpeed's GAN example loop, as a DeepSpeed user writes it: two engines, the generator's loss
 through the discriminator's bare module, `netD.zero_grad()`; nothing zerodp-specific.
 
-    zerodp deepspeed --num_gpus 2 tests/scripts/ds_gan.py --stage 2
+    zerodp deepspeed --num_gpus 2 tests/scripts/ds_gan.py --stage 2 --out OUT_DIR
 
-Prints one JSON line per rank: its losses (real, fake, generator per step).
+Writes OUT_DIR/rank_R.json per rank: its losses (real, fake, generator per step).
 """
 
 import argparse
@@ -21,6 +21,7 @@ from tests.test_backward_paths import Discriminator, _bce, _gan_data  # noqa: E4
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--stage", type=int, default=2)
+parser.add_argument("--out", required=True)
 args = parser.parse_args()
 deepspeed.init_distributed()
 rank = deepspeed.comm.get_rank()
@@ -46,4 +47,5 @@ for step in range(3):
     model_engineG.backward(errG)
     model_engineG.step()
     losses += [errD_real.item(), errD_fake.item(), errG.item()]
-print(json.dumps({"rank": rank, "losses": losses}), flush=True)
+with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as f:  # files: the ranks' stdout interleave
+    json.dump({"rank": rank, "losses": losses}, f)
