@@ -24,7 +24,8 @@ COLLECTIVE_TIMEOUT_S = 120
 """The ranks' collective timeout ($ZERODP_TIMEOUT); tests of timeouts set their own."""
 
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "torch.distributed", "zerodp"])
+# torch._dynamo: torch.optim imports it when the first optimizer is built, 1.5 s in every rank otherwise
+_ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerodp"])
 
 
 class RankFailed(AssertionError):

@@ -96,36 +96,40 @@ def test_resume_is_exact(tmp_path: Path, stage: int, precision: str, world: int)
 # --- any world size, any stage ----------------------------------------------------------------------
 
 
-def _save_at(rank: int, world: int, stage: int, root: str):
-    engine = _engine(stage)
-    _train(engine, rank, range(2))
-    engine.save_checkpoint(os.path.join(root, f"w{world}s{stage}"), tag="ckpt")
-    return full_state(engine)
-
-
-def _load_all_at(rank: int, world: int, stage: int, root: str, sources: list[str]):
+def _save_all_at(rank: int, world: int, root: str):
     states = {}
-    for source in sources:
+    for stage in (0, 1, 2, 3):
         engine = _engine(stage)
-        engine.load_checkpoint(os.path.join(root, source), tag="ckpt")
-        states[source] = (full_state(engine), engine.global_steps)
+        _train(engine, rank, range(2))
+        engine.save_checkpoint(os.path.join(root, f"w{world}s{stage}"), tag="ckpt")
+        states[f"w{world}s{stage}"] = full_state(engine)
+    return states
+
+
+def _load_all_at(rank: int, world: int, root: str, sources: list[str]):
+    states = {}
+    for stage in (0, 1, 2, 3):
+        for source in sources:
+            engine = _engine(stage)
+            engine.load_checkpoint(os.path.join(root, source), tag="ckpt")
+            states[(f"w{world}s{stage}", source)] = (full_state(engine), engine.global_steps)
     return states
 
 
 def test_every_checkpoint_loads_at_every_world_size_and_stage(tmp_path: Path) -> None:
+    # one set of processes per world size (each builds every stage's engines): the 144 pairs in 6 launches
     saved = {}
     for world in (1, 2, 4):
-        for stage in (0, 1, 2, 3):
-            saved[f"w{world}s{stage}"] = run_ranks(_save_at, world, args=(stage, str(tmp_path)))[0]
+        saved.update(run_ranks(_save_all_at, world, args=(str(tmp_path),))[0])
     for world in (1, 2, 4):
-        for stage in (0, 1, 2, 3):
-            loaded = run_ranks(_load_all_at, world, args=(stage, str(tmp_path), sorted(saved)))[0]
-            for source, (state, steps) in loaded.items():
-                assert steps == 2
-                assert state.keys() == saved[source].keys(), (source, world, stage)
-                for name, tensors in saved[source].items():
-                    for key, t in tensors.items():
-                        assert torch.equal(state[name][key], t), (source, f"w{world}s{stage}", name, key)
+        loaded = run_ranks(_load_all_at, world, args=(str(tmp_path), sorted(saved)))[0]
+        assert len(loaded) == 4 * len(saved) == 48
+        for (at, source), (state, steps) in loaded.items():
+            assert steps == 2
+            assert state.keys() == saved[source].keys(), (source, at)
+            for name, tensors in saved[source].items():
+                for key, t in tensors.items():
+                    assert torch.equal(state[name][key], t), (source, at, name, key)
 
 
 # --- crash safety, corruption, safe loading ---------------------------------------------------------
