@@ -418,6 +418,20 @@ def test_boolean_zero_optimization_reads_allgather_size() -> None:
         'allgather_size: only read with the old form "zero_optimization": true')
 
 
+def test_top_level_dotted_keys_set_the_nested_key_where_it_is_absent_or_auto(fresh_warnings: None,
+                                                                               caplog: pytest.LogCaptureFixture) -> None:
+    # TRL's prepare_deepspeed passes these to deepspeed.initialize (DeepSpeed ignores them)
+    raw = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_param_persistence_threshold": 7},
+           "zero_optimization.reduce_bucket_size": 1024, "zero_optimization.stage3_prefetch_bucket_size": 0.9 * 32 * 32,
+           "zero_optimization.stage3_param_persistence_threshold": 320}
+    zero = ok(raw).zero_optimization
+    assert (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size) == (1024, 921)  # 921.6 rounded down
+    assert zero.stage3_param_persistence_threshold == 7  # the section's own value wins, with a warning
+    assert "'zero_optimization.stage3_param_persistence_threshold' (320) is not applied" in caplog.text
+    assert raw["zero_optimization"]["reduce_bucket_size"] == "auto"  # the caller's dict is not changed
+    assert one_problem({TRAIN: 1, "zero_optimization.stagee": 2}).startswith("zero_optimization.stagee: unknown key")
+
+
 def test_cpu_offload_keys_map_to_offload_sections(fresh_warnings: None, caplog: pytest.LogCaptureFixture) -> None:
     zero = ok({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
                                      "cpu_offload_use_pin_memory": False}}).zero_optimization

@@ -591,6 +591,32 @@ def _upgrade_top(raw: dict[str, Any], path: str, report: _Report) -> dict[str, A
         raw.pop("allgather_size")
         report.add("allgather_size", 'only read with the old form "zero_optimization": true; '
                    "set zero_optimization.allgather_bucket_size instead", failed=False)
+    return _nest_dotted_keys(raw)
+
+
+def _nest_dotted_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """Top-level keys spelled as a path ("zero_optimization.reduce_bucket_size", the form accelerate
+    fills "auto" values from and TRL's `prepare_deepspeed` passes to `deepspeed.initialize`) set that
+    nested key where it is absent or "auto". DeepSpeed 0.19.8 ignores such keys; zerodp applies them
+    (the caller's evident intent) but never over a value the nested section sets itself. An integer
+    key given a fractional number there (TRL's `0.9 * hidden_size**2` prefetch size) is rounded down."""
+    for dotted in [k for k in raw if isinstance(k, str) and "." in k and k in _all_key_paths()]:
+        *parents, leaf = dotted.split(".")
+        node, cls = raw, ZeroDPConfig
+        for part in parents:
+            if not isinstance(node.get(part, {}), dict):
+                break
+            node[part] = dict(node.get(part, {}))
+            node, cls = node[part], _section_type(cls, _keys_of(cls)[part])
+        else:
+            value = raw.pop(dotted)
+            if isinstance(value, float) and cls.model_fields[_keys_of(cls)[leaf]].annotation is int:
+                value = math.floor(value)
+            if node.get(leaf, "auto") == "auto":
+                node[leaf] = value
+            elif node[leaf] != value:
+                warn_once(f"config key '{dotted}' ({show_value(value)}) is not applied: "
+                          f"'{dotted}' is set in its section ({show_value(node[leaf])})")
     return raw
 
 
