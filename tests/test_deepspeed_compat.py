@@ -42,7 +42,7 @@ def test_the_switch_makes_import_deepspeed_zerodp_and_reports_a_deepspeed_distri
         from deepspeed.ops.adam import FusedAdam
         import deepspeed.runtime.zero.partition_parameters as pp
         from transformers.integrations.deepspeed import is_deepspeed_available
-        assert deepspeed.initialize is zerodp.initialize and deepspeed.zero.Init is zerodp.zero.Init
+        assert deepspeed.initialize.__wrapped__ is zerodp.initialize and deepspeed.zero.Init is zerodp.zero.Init
         assert pp is deepspeed.runtime.zero.partition_parameters  # one module object under both names
         assert importlib.util.find_spec("deepspeed") is not None and is_deepspeed_available()
         print(importlib.metadata.version("deepspeed"), deepspeed.__version__, importlib.metadata.metadata("deepspeed")["Name"])
@@ -410,6 +410,63 @@ def test_stage_3_parameters_carry_deepspeed_s_attributes() -> None:
         assert r["after"] == {S.NOT_AVAILABLE} and r["gathered"] == {S.AVAILABLE} and r["unique_ids"] and r["enum"]
     # the ranks' ds_tensors together hold every element once (padding aside)
     assert sum(r["owned"] for r in results) == results[0]["total"]
+
+
+class _SavesItsWeight(torch.autograd.Function):
+    """A fused head as TRL writes it: saves the weight and reads DeepSpeed's attributes from it in backward."""
+
+    @staticmethod
+    def forward(ctx, h, weight):
+        ctx.save_for_backward(h, weight)
+        return h @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight = ctx.saved_tensors
+        _SavesItsWeight.seen.append(hasattr(weight, "ds_status"))
+        return grad @ weight, grad.flatten(0, -2).t() @ h.flatten(0, -2)
+
+
+def _counts_and_hooks(rank: int, world: int) -> dict:
+    import zerodp
+
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    out = {}
+    for name, init, extra in (("zerodp", zerodp.initialize, {}), ("deepspeed", ds.initialize, {}),
+                              ("breakdown", ds.initialize, {"memory_breakdown": True})):
+        model = make_model()
+        model.head.forward = lambda h, m=model.head: _SavesItsWeight.apply(h, m.weight)
+        engine, *_ = init(model=model, config={**config, **extra})
+        _SavesItsWeight.seen = []
+        train_steps(engine, rank, range(1), gas=1)
+        out[name] = (engine.count_activations, bool(engine.memory_report()["activations"]), _SavesItsWeight.seen)
+    # TRL's unwrap_model_for_generation: hold every unit, remove the forward hooks, run, register them again
+    model = make_model()
+    engine, *_ = ds.initialize(model=model, config=config)
+    reference, *_ = zerodp.initialize(model=make_model(), config=config)
+    offload = engine.optimizer.parameter_offload
+    with ds.zero.GatheredParameters(model.parameters()):
+        for hook in offload.forward_hooks:
+            hook.remove()
+        offload.forward_hooks = []
+        with torch.no_grad():
+            held = [engine(*batch(rank, 0, 0)).item() for _ in range(2)]
+        offload._register_deepspeed_module(offload.module)
+    out["hooks"] = (len(offload.forward_hooks) > 0, held[0] == held[1], offload.module.ds_external_parameters())
+    out["after"] = train_steps(engine, rank, range(2)) == train_steps(reference, rank, range(2))
+    out["released"] = {p.ds_status.name for p in model.parameters()}
+    return out
+
+
+def test_deepspeed_initialize_leaves_saved_tensors_alone_and_trl_can_remove_the_hooks() -> None:
+    # saved-tensor hooks (zerodp's activation count) unpack a saved parameter as a plain tensor: TRL's fused LM
+    # head then misses ds_status, so engines built through deepspeed.initialize count only with memory_breakdown
+    for r in run_ranks(_counts_and_hooks, 2):
+        assert r["zerodp"] == (True, True, [False])
+        assert r["deepspeed"] == (False, False, [True])
+        assert r["breakdown"] == (True, True, [False])
+        assert r["hooks"] == (True, True, []) and r["after"] and r["released"] == {"NOT_AVAILABLE"}
 
 
 def test_parameters_partitioned_by_a_real_deepspeed_are_refused() -> None:

@@ -18,6 +18,13 @@ parameter storage (the ledger counts it already). Inside a checkpointed region t
 replaces ours, so nothing is counted there; the checkpoint's inputs, which it keeps alive itself,
 are added by `checkpoint`. The total at the end of a forward is that micro-batch's peak: backward
 only frees.
+
+The hook has a cost beyond its time: torch unpacks every tensor saved under a saved-tensor hook as a
+new tensor object, so a custom autograd Function that saved a parameter gets a plain tensor back in
+backward, without the parameter's attributes. TRL's fused LM head saves `lm_head.weight` and reads
+DeepSpeed's `ds_status` from it in backward. So engines built through `deepspeed.initialize` (code
+written for DeepSpeed, which installs no such hook) count only when `memory_breakdown` is on;
+`engine.count_activations` turns the count on or off for any engine.
 """
 
 from __future__ import annotations
@@ -325,8 +332,9 @@ def storage_keys(tensors: Any) -> set[int]:
 
 
 @contextmanager
-def count_saved_activations(excluded: set[int]) -> Iterator[SavedActivations]:
-    """Count what autograd saves inside the block, leaving out the storages in `excluded`."""
+def count_saved_activations(excluded: set[int], enabled: bool = True) -> Iterator[SavedActivations]:
+    """Count what autograd saves inside the block, leaving out the storages in `excluded`
+    (nothing is counted, and no hook installed, when not `enabled`)."""
     global _active
     counter = SavedActivations(excluded=excluded)
 
@@ -336,7 +344,8 @@ def count_saved_activations(excluded: set[int]) -> Iterator[SavedActivations]:
 
     previous, _active = _active, counter
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor) if torch.is_grad_enabled() else nullcontext():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor) \
+                if enabled and torch.is_grad_enabled() else nullcontext():
             yield counter
     finally:
         _active = previous

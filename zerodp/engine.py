@@ -75,6 +75,9 @@ class Engine(nn.Module):
         self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses, for the metrics
         self._num_losses = 0
         self._param_storages = checkpointing.storage_keys(strategy.parameter_storages())  # not activations
+        # count what autograd saves in each forward (memory_report()["activations"]); off for engines built
+        # through `deepspeed.initialize` unless memory_breakdown asks ([Note: counting saved activations])
+        self.count_activations = True
         self._saved_peak: dict[str, int] = {}  # saved-activation bytes, this step's largest micro-batch
         self.saved_activations_peak: dict[str, int] = {}  # ... of the last completed step
         self._step_started = time.perf_counter()
@@ -222,7 +225,7 @@ class Engine(nn.Module):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
         with self.timers("fwd"), self._explained_errors(), \
-                checkpointing.count_saved_activations(self._param_storages) as saved:
+                checkpointing.count_saved_activations(self._param_storages, self.count_activations) as saved:
             out = self.module(*args, **kwargs)
         if saved.total > sum(self._saved_peak.values()):
             self._saved_peak = dict(saved.bytes_by_tier)

@@ -50,6 +50,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from zerodp import comm
 from zerodp.log import logger, warn_once
@@ -221,16 +222,8 @@ class Stage3(Strategy):
         return swapper
 
     def _install_hooks(self) -> None:
-        for unit in self.units:
-            if unit.keeps_full:
-                continue
-            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
-            unit.module.register_forward_hook(partial(self._post_forward, unit))
-            members = {p for f in unit.flats for p in f.params}
-            for m in unit.module.modules():  # submodules called on their own: see [Note: stage-3 hooks]
-                if m is not unit.module and any(p in members for p in m.parameters(recurse=False)):
-                    m.register_forward_pre_hook(partial(self._pre_forward_alone, unit))
-                    m.register_forward_hook(partial(self._post_forward_alone, unit))
+        self.forward_hooks: list[RemovableHandle] = []  # the units' module hooks (install_forward_hooks)
+        self.install_forward_hooks()
         self._gathered_alone: list[bool] = []
         trainable = [u for u in self.units if u.trainable is not None]
         # the fixed reduce-scatter order: later blocks first (backward order), root and persistent last
@@ -243,6 +236,28 @@ class Stage3(Strategy):
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._force_gather, self._keep = False, None
         self.module._register_state_dict_hook(self._state_dict_hook)
+
+    def install_forward_hooks(self) -> None:
+        """(Re)register the module hooks that gather a unit before its forward and release it after.
+        Code that holds every unit (GatheredParameters over all parameters) may remove them meanwhile
+        (`remove_forward_hooks`; TRL does this around generation) and must install them again after."""
+        self.remove_forward_hooks()
+        for unit in self.units:
+            if unit.keeps_full:
+                continue
+            self.forward_hooks += [
+                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True),
+                unit.module.register_forward_hook(partial(self._post_forward, unit))]
+            members = {p for f in unit.flats for p in f.params}
+            for m in unit.module.modules():  # submodules called on their own: see [Note: stage-3 hooks]
+                if m is not unit.module and any(p in members for p in m.parameters(recurse=False)):
+                    self.forward_hooks += [m.register_forward_pre_hook(partial(self._pre_forward_alone, unit)),
+                                           m.register_forward_hook(partial(self._post_forward_alone, unit))]
+
+    def remove_forward_hooks(self) -> None:
+        for handle in self.forward_hooks:
+            handle.remove()
+        self.forward_hooks = []
 
     # --- forward ---------------------------------------------------------------------------------------
 

@@ -75,6 +75,9 @@ def mark_partitioned(p: nn.Parameter, shard: torch.Tensor) -> None:
         p.ds_shape, p.ds_numel = p.shape, p.numel()
     p.ds_status = ZeroParamStatus.NOT_AVAILABLE
     p.ds_tensor = shard
+    # DeepSpeed's modules-using-it set, which code written for DeepSpeed clears (TRL, around generation);
+    # zerodp counts who holds a unit in `Unit.holds`, so it stays empty
+    p.ds_active_sub_modules = set()
 
 
 def _owned_part(start: int, numel: int, owned: slice) -> slice:

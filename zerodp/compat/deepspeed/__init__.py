@@ -3,15 +3,19 @@
     ZERODP_AS_DEEPSPEED=1 python train.py       # or: zerodp run / zerodp deepspeed train.py
 
 Each module here mirrors the DeepSpeed module of the same path and forwards to zerodp's own modules
-(`deepspeed.initialize` is `zerodp.initialize`, `deepspeed.zero.Init` is `zerodp.zero.Init`, ...).
+(`deepspeed.initialize` is `zerodp.initialize`, `deepspeed.zero.Init` is `zerodp.zero.Init`, ...;
+the one difference: engines built through `deepspeed.initialize` count saved activations only with
+`memory_breakdown`, see zerodp.checkpointing's [Note: counting saved activations]).
 A name DeepSpeed has and this package does not raises an error naming the DeepSpeed path
 (_zerodp_as_deepspeed.NotProvidedByZerodp / AttributeNotProvided); docs/deepspeed.md lists the surface.
 `import zerodp as deepspeed` keeps working without the switch.
 """
 
+import functools
+
 from _zerodp_as_deepspeed import DEEPSPEED_API_VERSION, version
 
-from zerodp import initialize
+import zerodp
 from zerodp.compat.deepspeed import (accelerator, checkpoint, comm, compression, launcher, moe, ops, runtime,
                                      utils)
 from zerodp.compat.deepspeed._missing import missing_attributes
@@ -20,9 +24,20 @@ from zerodp.compat.deepspeed.comm import init_distributed
 from zerodp.compat.deepspeed.runtime import zero
 from zerodp.compat.deepspeed.runtime.activation_checkpointing import checkpointing
 from zerodp.compat.deepspeed.runtime.engine import DeepSpeedEngine
+from zerodp.compat.deepspeed.runtime.zero import parameter_offload
 from zerodp.config import ConfigError as DeepSpeedConfigError
 from zerodp.config import add_config_arguments
 from zerodp.log import logger
+
+
+
+@functools.wraps(zerodp.initialize)
+def initialize(*args, **kwargs):
+    engine, *rest = zerodp.initialize(*args, **kwargs)
+    engine.count_activations = engine.config.memory_breakdown  # DeepSpeed's autograd, unless asked
+    parameter_offload.attach(engine)
+    return (engine, *rest)
+
 
 __version__ = version()
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPSPEED_API_VERSION.split("."))
