@@ -22,6 +22,14 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tests" / "scripts"
 
 
+ZERODP = [sys.executable, "-c", "from zerodp.cli import main; raise SystemExit(main())"]  # the `zerodp` command
+
+
+def zerodp_run(num_ranks: int = 2) -> list[str]:
+    """`zerodp run --nproc-per-node N`, from this interpreter."""
+    return [*ZERODP, "run", "--nproc-per-node", str(num_ranks)]
+
+
 def _launch(command: list[str], cwd: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "ZERODP_AS_DEEPSPEED": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
@@ -33,9 +41,7 @@ def _launch(command: list[str], cwd: Path) -> dict:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trainer_with_lora_bf16_resumes_bitwise_and_saves_what_it_trained(tmp_path: Path, stage: int) -> None:
-    zerodp = [sys.executable, "-c", "from zerodp.cli import main; raise SystemExit(main())"]
-    result = _launch([*zerodp, "run", "--nproc-per-node", "2", str(SCRIPTS / "hf_trainer.py"), str(stage), str(tmp_path)],
-                     tmp_path)
+    result = _launch([*zerodp_run(), str(SCRIPTS / "hf_trainer.py"), str(stage), str(tmp_path)], tmp_path)
     assert len(result["losses"]) == 4 and result["resumed_losses"] == result["losses"][2:]
     assert result["resumed_bitwise"] and result["num_lora"] == 4
     assert result["eval_loss"] < result["losses"][0]
@@ -85,11 +91,10 @@ def test_converted_and_16bit_weights_load_with_from_pretrained(tmp_path: Path) -
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(base)
     trained = run_ranks(_train_gpt2, 2, args=(str(base), str(tmp_path)))[0]
-    zerodp = [sys.executable, "-c", "from zerodp.cli import main; raise SystemExit(main())"]
-    refused = subprocess.run([*zerodp, "ckpt", "convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"),
+    refused = subprocess.run([*ZERODP, "ckpt", "convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"),
                               "--hf-config", str(tmp_path)], capture_output=True, text=True)
     assert refused.returncode == 2 and "no config.json there" in refused.stderr and not (tmp_path / "hf").exists()
-    subprocess.run([*zerodp, "ckpt", "convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", str(base)],
+    subprocess.run([*ZERODP, "ckpt", "convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", str(base)],
                    check=True, capture_output=True)
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # fp32 masters
     assert all(torch.equal(p, trained[n]) for n, p in converted.named_parameters())
@@ -98,8 +103,7 @@ def test_converted_and_16bit_weights_load_with_from_pretrained(tmp_path: Path) -
 
 
 def _sft(out: Path, *flags: str) -> dict:
-    zerodp = [sys.executable, "-c", "from zerodp.cli import main; raise SystemExit(main())"]
-    return _launch([*zerodp, "deepspeed", "--num_gpus", "2", str(SCRIPTS / "ds_chat_sft.py"), "--out", str(out), *flags],
+    return _launch([*ZERODP, "deepspeed", "--num_gpus", "2", str(SCRIPTS / "ds_chat_sft.py"), "--out", str(out), *flags],
                    out.parent)
 
 
@@ -117,9 +121,7 @@ def test_a_deepspeed_chat_style_sft_loop_relaunches_from_its_checkpoint(tmp_path
 
 def test_from_pretrained_under_zero3_loads_every_weight_into_the_partitions(tmp_path: Path) -> None:
     # transformers 5 builds on the meta device, then loads into deepspeed.zero.Init's partitions
-    zerodp = [sys.executable, "-c", "from zerodp.cli import main; raise SystemExit(main())"]
-    result = _launch([*zerodp, "run", "--nproc-per-node", "2", str(SCRIPTS / "hf_from_pretrained.py"), str(tmp_path)],
-                     tmp_path)
+    result = _launch([*zerodp_run(), str(SCRIPTS / "hf_from_pretrained.py"), str(tmp_path)], tmp_path)
     assert result["zero3_enabled"]
     assert result["gpt2"] == {"partitioned": True, "equal": True, "tied": True, "num_params": 28}
     assert result["llama"] == {"partitioned": True, "equal": True, "tied": False, "num_params": 21}
