@@ -596,6 +596,60 @@ def test_units_stay_gathered_inside_gathered_parameters_so_generation_gathers_no
         assert "inside zerodp.zero.GatheredParameters" in refused
 
 
+def _paired_passes(rank: int, world: int, per_gather_checks: bool) -> str | None:
+    import zerodp
+
+    if not per_gather_checks:
+        zerodp.comm.backend = lambda: "nccl"  # as on NCCL by default: one check per forward instead
+    engine, *_ = zerodp.initialize(model=make_block_lm(), config=_config(), optimizer=_adamw)
+    try:
+        with torch.set_grad_enabled(rank == 0):  # rank 0 trains while rank 1 generates
+            engine(*batch(rank, 0, 0))
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("per_gather_checks", [True, False])
+def test_a_training_forward_paired_with_a_generation_forward_fails_at_that_forward(per_gather_checks: bool) -> None:
+    # their gathers would pair up one to one; the divergence would only show at the backward
+    for error in run_ranks(_paired_passes, 2, args=(per_gather_checks,), timeout=100):
+        assert error is not None and "ranks are running different kinds of passes" in error, error
+        assert "a training forward (grad enabled)" in error and "a forward without grad" in error
+        assert "synced_gpus=True" in error
+
+
+def _generate_different_lengths(rank: int, world: int) -> tuple:
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+
+    import zerodp
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=0))
+    plain = copy.deepcopy(model)
+    prompts = torch.tensor([[5, 9, 3, 7], [11, 2, 8, 4]])
+    with torch.no_grad():  # rank 0's first greedy token ends its generation: rank 1 goes on
+        eos = int(plain(prompts[:1]).logits[0, -1].argmax())
+    engine, *_ = zerodp.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}})
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "eos_token_id": eos, "pad_token_id": 0}
+    with torch.no_grad():  # no synced_gpus= given: transformers must see a sharded model
+        out = engine.module.generate(prompts[rank : rank + 1], **kwargs)
+        expected = plain.generate(prompts[rank : rank + 1], **kwargs)
+    return is_fsdp_managed_module(engine.module), out.shape[1], torch.equal(out, expected)
+
+
+def test_ranks_that_generate_different_lengths_keep_pairing_their_gathers() -> None:
+    pytest.importorskip("transformers")
+    (managed, length0, same0), (_, length1, same1) = run_ranks(_generate_different_lengths, 2, timeout=100)
+    assert managed and same0 and same1
+    assert length0 == 5 and length1 > length0  # rank 0 stopped after one token, rank 1 did not
+
+
 def _generate_in_a_block(engine, rank: int, step: int) -> None:
     import zerodp
 

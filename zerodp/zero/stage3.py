@@ -35,11 +35,24 @@ taken on some steps only) stops prefetching at the first difference and its orde
 for the next pass, so a prefetch never waits for a unit that does not come. Every rank makes the
 same decisions because they run the same units. Ranks that run different modules must not pair up
 the wrong gathers: on gloo (where it is cheap) and with `zero_optimization.enable_sanity_checks`
-every gather is preceded by an 8-byte all-gather of the unit's index, and ranks about to gather
-different units raise naming them. On NCCL without sanity checks that would cost a host sync per
-gather, so a hash of the order is compared at the end of every backward instead: it catches
-divergences whose collectives still pair up one to one (same-size units in another order); one
-that changes the sequence of collectives waits in a collective until the timeout.
+every gather is preceded by a 16-byte all-gather of the unit's index and the kind of pass, and
+ranks about to gather different units raise naming them. On NCCL without sanity checks that would
+cost a host sync per gather, so a hash of the order is compared at the end of every backward
+instead: it catches divergences whose collectives still pair up one to one (same-size units in
+another order); one that changes the sequence of collectives waits in a collective until the timeout.
+
+[Note: paired passes]
+A training forward on one rank and a forward without grad on another (a rank that generates while
+the other trains, or that generates more tokens without synced_gpus) gather the same units in the
+same order, so their collectives pair up and both forwards "work"; the divergence would surface at
+the backward as a hang or wrong gradients. So every gather check also compares the kind of pass
+(no-grad forward, training forward, backward) and raises at the first gather where they differ, on
+every rank. Without the per-gather check (NCCL), each forward of the root compares the kind in one
+16-byte all-reduce instead (a host sync per forward, not per gather). Forwards inside
+GatheredParameters over every unit gather nothing and need no pairing, so they are not checked.
+Stage-3 models carry `_is_fsdp_managed_module`, the flag transformers reads (with DeepSpeed's
+ZeRO-3 config) to default `generate(synced_gpus=...)` to True: a rank that is done keeps running
+forwards until every rank is.
 """
 
 from __future__ import annotations
@@ -103,6 +116,7 @@ class Stage3(Strategy):
         self._param_numel_in_cpu = 0  # offload_param nvme: shard elements kept in host memory so far
         self._build_units(module, param_groups)
         self._place_buffers(module)
+        module._is_fsdp_managed_module = True  # transformers' generate() then syncs ranks: [Note: paired passes]
         self.optimizer = make_optimizer(self._optimizer_groups(param_groups))
         check_elementwise(self.optimizer, self.config)
         self.swapper = self._swapper(zero.offload_optimizer)
@@ -270,6 +284,8 @@ class Stage3(Strategy):
         if self._all_held:  # nothing to gather, prefetch, release or trace
             return None
         if unit is self.root:
+            if not self.sanity_checks:  # else the per-gather check compares the passes
+                self._check_same_kind_of_forward()
             self.trace.begin("forward")
         following = self.trace.visit("forward", unit.index)
         self._gather(unit)
@@ -453,16 +469,28 @@ class Stage3(Strategy):
         self.transient_peak["gathered_params"] = max(self.transient_peak.get("gathered_params", 0), live)
 
     def _check_same_unit(self, unit: Unit) -> None:
-        """Every rank is about to gather the same unit, else raise naming them."""
+        """Every rank is about to gather the same unit in the same kind of pass, else raise naming them."""
         if self.num_ranks == 1:
             return
-        row = torch.tensor([unit.index], dtype=torch.int64, device=comm.device_for_backend())
-        indices = comm.all_gather_rows(row).view(-1).tolist()
-        if len(set(indices)) > 1:
-            names = ", ".join(f"rank {r}: {self.units[i].name}" for r, i in enumerate(indices))
+        row = torch.tensor([unit.index, _pass_kind()], dtype=torch.int64, device=comm.device_for_backend())
+        rows = comm.all_gather_rows(row).tolist()
+        if len({i for i, _ in rows}) > 1:
+            names = ", ".join(f"rank {r}: {self.units[i].name}" for r, (i, _) in enumerate(rows))
             raise RuntimeError(f"ZeRO stage 3: ranks are about to gather different modules ({names}); every rank "
                                "must run the same modules in the same order (data-dependent control flow that "
                                "differs between ranks cannot be sharded this way)")
+        _raise_if_passes_differ([kind for _, kind in rows])
+
+    def _check_same_kind_of_forward(self) -> None:
+        """Without the per-gather check (NCCL): one 16-byte all-reduce at each forward of the root."""
+        if self.num_ranks == 1:
+            return
+        kind = _pass_kind()
+        counts = torch.zeros(len(_PASS_KINDS), dtype=torch.int64, device=comm.device_for_backend())
+        counts[kind] = 1
+        comm.all_reduce(counts)
+        if (counts > 0).sum().item() > 1:
+            _raise_if_passes_differ([k for k, n in enumerate(counts.tolist()) for _ in range(n)], by_rank=False)
 
     def _check_same_order_on_all_ranks(self) -> None:
         """One tiny all-reduce per backward: [hash, -hash] with MAX differs iff some rank differs."""
@@ -717,6 +745,26 @@ def _group_pieces(f: FlatShard, group_of: dict) -> list[tuple[int, int, int]]:
 def _in_backward() -> bool:
     """True while autograd's engine runs a backward on this thread (recomputation in checkpointing)."""
     return torch._C._current_graph_task_id() != -1
+
+
+_PASS_KINDS = ("a forward without grad (generation, evaluation)", "a training forward (grad enabled)", "a backward")
+
+
+def _pass_kind() -> int:
+    """Which kind of pass this gather belongs to (an index of _PASS_KINDS); see [Note: paired passes]."""
+    return 2 if _in_backward() else int(torch.is_grad_enabled())
+
+
+def _raise_if_passes_differ(kinds: list[int], by_rank: bool = True) -> None:
+    if len(set(kinds)) == 1:
+        return
+    who = ", ".join(f"rank {r}: {_PASS_KINDS[k]}" for r, k in enumerate(kinds)) if by_rank else \
+        " and ".join(sorted({_PASS_KINDS[k] for k in kinds}))
+    raise RuntimeError(f"ZeRO stage 3: ranks are running different kinds of passes ({who}); their parameter "
+                       "gathers would pair up wrongly. Every rank must run the same forwards and backwards; for "
+                       "generate(), every rank must keep calling the model until all are done (synced_gpus=True, "
+                       "which transformers sets itself for a zerodp stage-3 model), or generate inside "
+                       "GatheredParameters(model.parameters()), which gathers nothing per forward")
 
 
 class _PostBackward(torch.autograd.Function):
