@@ -1,4 +1,5 @@
-"""Generation under ZeRO-3: tokens/s with units kept gathered by GatheredParameters, against stage 2.
+"""Generation under ZeRO-3: tokens/s with units kept gathered (GatheredParameters, engine.generation()),
+against stage 2.
 
     python bench/generate_zero3.py [--tokens 32] [--nproc 2]
 
@@ -6,9 +7,11 @@ A tiny Llama built from a config (transformers, random weights) on 2 gloo ranks,
 engines (no optimizer), generates greedily with `model.generate` (the same prompt on every rank,
 `synced_gpus=True`, no early stop). Rows: stage 2 (parameters whole on every rank); stage 3 as is
 (every forward gathers every unit); stage 3 inside `with zerodp.zero.GatheredParameters(
-model.parameters()):` (gathered once on entry). Reports ms/token (median of --repeats calls after
-one warm-up), all-gathers per generate() call, tokens/s as a ratio to stage 2, and whether the
-tokens equal stage 2's.
+model.parameters()):` (gathered once on entry); stage 3 inside `engine.generation()` (each unit kept
+after its first gather, within stage3_max_live_parameters), and with a budget of half the model's
+parameters. Reports ms/token (median of --repeats calls after one warm-up), the units' all-gathers
+per generate() call (not the 16-byte rank checks gloo adds), tokens/s as a ratio to stage 2, and
+whether the tokens equal stage 2's.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ def worker(stage: int, mode: str, tokens: int, repeats: int) -> None:
                                                         "zero_optimization": zero})
     prompt = torch.arange(1, 9).unsqueeze(0)
 
-    def gathers() -> int:
-        return sum(r.calls for (op, _), r in comm.ledger.current.items() if op.startswith("all_gather"))
+    def gathers() -> int:  # the units' gathers, not the rank checks (int64)
+        return sum(r.calls for (op, dtype), r in comm.ledger.current.items()
+                   if op.startswith("all_gather") and dtype != "int64")
 
     def generate() -> tuple[list[int], float, int]:
         start, before = time.perf_counter(), gathers()
@@ -54,6 +58,10 @@ def worker(stage: int, mode: str, tokens: int, repeats: int) -> None:
         for _ in range(repeats + 1):
             if mode == "held":
                 with zerodp.zero.GatheredParameters(engine.module.parameters()):
+                    runs.append(generate())
+            elif mode.startswith("generation"):
+                half = sum(p.ds_numel for p in model.parameters()) // 2 if mode == "generation-half" else None
+                with engine.generation(max_live_parameters=half):
                     runs.append(generate())
             else:
                 runs.append(generate())
@@ -73,7 +81,9 @@ def main() -> int:
     if args.worker:
         worker(int(args.worker[0]), args.worker[1], args.tokens, args.repeats)
         return 0
-    rows = [(2, "plain", "stage 2"), (3, "plain", "stage 3"), (3, "held", "stage 3 inside GatheredParameters")]
+    rows = [(2, "plain", "stage 2"), (3, "plain", "stage 3"), (3, "held", "stage 3 inside GatheredParameters"),
+            (3, "generation", "stage 3 inside engine.generation()"),
+            (3, "generation-half", "stage 3 inside engine.generation(max_live_parameters=half the model)")]
     results = {}
     for stage, mode, label in rows:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -596,6 +596,43 @@ def test_units_stay_gathered_inside_gathered_parameters_so_generation_gathers_no
         assert "inside zerodp.zero.GatheredParameters" in refused
 
 
+def _generation_budget(rank: int, world: int, budget: int | None):
+    import zerodp
+    from zerodp import comm
+
+    engine, *_ = zerodp.initialize(model=make_block_lm(), config=_config(), optimizer=_adamw)
+
+    def unit_gathers() -> int:  # the units' own all-gathers (not the 16-byte rank checks)
+        return sum(r.calls for (op, dtype), r in comm.ledger.current.items() if op.startswith("all_gather")
+                   and dtype != "int64")
+
+    def generate() -> tuple[torch.Tensor, int]:
+        idx, start = batch(rank, 7, 0)[0], unit_gathers()
+        for _ in range(6):
+            idx = torch.cat([idx, engine(idx[:, -4:], None)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return idx, unit_gathers() - start
+
+    engine.eval()
+    with torch.no_grad():
+        plain, plain_gathers = generate()
+        with engine.generation(max_live_parameters=budget):
+            kept, kept_gathers = generate()
+            kept_numel = sum(u.numel for u in engine.strategy._kept)
+    released = all(u.held_full_bytes() == 0 and not u.holds for u in engine.strategy.units)
+    return plain_gathers, kept_gathers, kept_numel, torch.equal(plain, kept), released
+
+
+@pytest.mark.parametrize("budget, gathers, kept_numel", [
+    (None, 5, 544 + 4 * 1104),  # everything kept: one gather per unit per generate (block 0 runs twice a forward)
+    (2 * 1104, 5 + 5 * 3, 2 * 1104),  # blocks 0 and 1 kept (they finish first); blocks 2, 3 and the root regather
+    (0, 6 * 6, 0),  # nothing kept: every forward gathers every call of a unit, as without the block
+])
+def test_engine_generation_keeps_units_gathered_within_a_budget(budget, gathers, kept_numel) -> None:
+    for plain, kept, numel, same, released in run_ranks(_generation_budget, 2, args=(budget,)):
+        assert plain == 6 * 6 and kept == gathers and numel == kept_numel
+        assert same and released  # the same tokens; every unit back to its shard at exit
+
+
 def _paired_passes(rank: int, world: int, per_gather_checks: bool) -> str | None:
     import zerodp
 

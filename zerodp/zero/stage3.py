@@ -57,8 +57,10 @@ forwards until every rank is.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from functools import partial
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -121,6 +123,8 @@ class Stage3(Strategy):
         check_elementwise(self.optimizer, self.config)
         self.swapper = self._swapper(zero.offload_optimizer)
         self._install_hooks()
+        self._kept: list[Unit] | None = None  # units held by engine.generation(), while in one
+        self._kept_budget = 0
         self.trace = UnitTrace()
         self._stats: torch.Tensor | None = None
         self.in_flight: list[tuple[Unit, torch.Tensor, object]] = []
@@ -313,6 +317,8 @@ class Stage3(Strategy):
             return None
         if _in_backward():
             return None
+        if self._kept is not None and not torch.is_grad_enabled():
+            self._keep_for_generation(unit)
         if torch.is_grad_enabled():
             needing = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if needing:
@@ -327,6 +333,30 @@ class Stage3(Strategy):
         if not torch.is_grad_enabled():
             self.root.release()
         return None
+
+    @contextlib.contextmanager
+    def generation(self, max_live_numel: int) -> Iterator[None]:
+        """Inside the block, a unit gathered by a forward without grad stays gathered (held, as by
+        GatheredParameters) while the kept units total at most `max_live_numel` elements; the others
+        gather per forward as usual. Every kept unit is released at exit."""
+        if self._kept is not None:
+            raise RuntimeError("engine.generation() blocks do not nest")
+        self._kept, self._kept_budget = [], max_live_numel
+        try:
+            yield
+        finally:
+            kept, self._kept = self._kept, None
+            for unit in kept:
+                unit.holds -= 1
+                unit.release()
+
+    def _keep_for_generation(self, unit: Unit) -> None:
+        """Hold `unit` for the rest of the generation block if the budget allows (the same decision on
+        every rank: they run the same units in the same order)."""
+        if unit.keeps_full or unit.holds or sum(u.numel for u in self._kept) + unit.numel > self._kept_budget:
+            return
+        unit.holds += 1
+        self._kept.append(unit)
 
     def _pre_forward_alone(self, unit: Unit, module: nn.Module, args: tuple) -> None:
         """A submodule of a released unit called outside the unit's forward: gather around it."""
