@@ -364,16 +364,24 @@ def test_state_dict_on_one_rank_without_the_gather_key_returns_deepspeed_s_place
 # --- zero.Init and GatheredParameters --------------------------------------------------------------------------
 
 
-def _init(rank: int, world: int):
+def _init(rank: int, world: int, offload: str | None = None, swap_dir: str = ""):
     import zerodp
     from tests.models import BlockLM
 
-    config = _config()
+    param = {"device": offload, **({"nvme_path": swap_dir, "max_in_cpu": 0} if offload == "nvme" else {})}
+    config = _config(**({"offload_param": param} if offload else {}))
     torch.manual_seed(1234 + rank)  # different random state per rank: Init keeps rank 0's values
     if rank == 0:
         torch.manual_seed(0)
     with zerodp.zero.Init(config=config) as init:
         model = BlockLM()
+    shards = [p._zerodp_init_shard for p in model.parameters()]
+    store = getattr(model.embed.weight, "_zerodp_init_slot", None) and model.embed.weight._zerodp_init_slot.store
+    # where the shards are until initialize(): host memory, or a swap file (nothing in memory)
+    placed = ({s.device.type for s in shards}, sum(s.untyped_storage().nbytes() for s in shards),
+              store.allocated_bytes if store is not None else 0)
+    init_files = store.run_directory if store is not None else None
+    del shards, store
     full_bytes = 4 * sum(p.ds_numel for p in model.parameters())
     largest_layer = 4 * (32 * 16 + 32)  # fc1's weight and bias, the largest module's own params
     with zerodp.zero.GatheredParameters(model.embed.weight, modifier_rank=0):
@@ -387,7 +395,10 @@ def _init(rank: int, world: int):
                 model.blocks[1].fc2.weight.fill_(0.5)
     with zerodp.zero.GatheredParameters([model.embed.weight, model.blocks[1].fc2.weight]):
         seen = model.embed.weight[3].clone(), model.blocks[1].fc2.weight.clone()
-    return init.peak_bytes, full_bytes, largest_layer, seen, _three_steps(engine, rank)
+    gone = init_files is None or not init_files.exists()  # initialize() read every shard: the file went
+    if offload is None:
+        return init.peak_bytes, full_bytes, largest_layer, seen, _three_steps(engine, rank)
+    return init.peak_bytes, full_bytes, largest_layer, seen, _three_steps(engine, rank), placed, gone
 
 
 def _init_reference(rank: int, world: int):
@@ -418,6 +429,22 @@ def test_init_partitions_during_construction_and_gathered_edits_reach_every_shar
         assert peak <= math.ceil(full_bytes / world) + 4 * 27 * world + largest  # 1/N + padding + one layer
         assert torch.equal(embed_row, torch.full((16,), 7.0)) and torch.equal(fc2, torch.full((16, 32), 0.5))
         assert losses == reference[rank]  # built under Init = built whole, bitwise
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_init_keeps_the_shards_in_host_memory_or_a_swap_file_until_initialize(tmp_path, offload: str) -> None:
+    # the config's offload_param (DeepSpeed's remote_device): with nvme a model larger than host memory can
+    # be built; the shards are written as each module is built, read back one unit at a time by initialize()
+    reference = run_ranks(_init_reference, 2)
+    for rank, result in enumerate(run_ranks(_init, 2, args=(offload, str(tmp_path)))):
+        peak, full_bytes, largest, (embed_row, fc2), losses, (devices, in_memory, swapped), gone = result
+        assert devices == {"cpu"} and losses == reference[rank]  # bitwise the model built whole
+        assert torch.equal(embed_row, torch.full((16,), 7.0)) and torch.equal(fc2, torch.full((16, 32), 0.5))
+        if offload == "nvme":
+            assert in_memory == 0 and swapped >= full_bytes // 2 and peak <= largest  # only one layer in full
+            assert gone  # the zero.Init swap file is removed once initialize() has read it
+        else:
+            assert in_memory >= full_bytes // 2 and swapped == 0
 
 
 # --- parameters used outside their module --------------------------------------------------------------------

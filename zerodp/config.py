@@ -849,6 +849,28 @@ def precision_of(config: Any) -> str:
     return "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
 
 
+def param_offload_of(config: Any) -> tuple[str, str | None]:
+    """(device, nvme_path) of a config's `zero_optimization.offload_param`, reading that section only
+    (for `zero.Init`, like `precision_of`): ("none", None) without one. ConfigError for a device that
+    is not none / cpu / nvme, or nvme without an nvme_path."""
+    raw, source, parsed = _read_input(config, None)
+    if parsed is not None:
+        section = parsed.zero_optimization.offload_param
+        return (section.device, section.nvme_path) if section is not None else ("none", None)
+    zero = raw.get("zero_optimization")
+    section = zero.get("offload_param") if isinstance(zero, Mapping) else None
+    if not isinstance(section, Mapping):
+        return "none", None
+    device, path = section.get("device", "none"), section.get("nvme_path")
+    if device not in ("none", "cpu", "nvme"):
+        raise ConfigError([f"zero_optimization.offload_param.device: got {show_value(device)}; expected "
+                           '"none", "cpu" or "nvme"'], source)
+    if device == "nvme" and not isinstance(path, str):
+        raise ConfigError([f"zero_optimization.offload_param.nvme_path: got {show_value(path)}; zero.Init needs "
+                           "the folder for the parameter swap files"], source)
+    return device, path
+
+
 def _finish(cfg: ZeroDPConfig, batch: BatchMath, raw: dict[str, Any]) -> ZeroDPConfig:
     zero = cfg.zero_optimization
     if zero.stage < 3 and zero.offload_param is not None:

@@ -48,10 +48,11 @@ class Home:
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.empty(numel, dtype).zero_()
 
-    def master_of(self, shard: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def master_of(self, shard: torch.Tensor, dtype: torch.dtype = torch.float32, copy: bool = False) -> torch.Tensor:
         """The master (in `dtype`: fp32, or bf16 with bf16 master weights) of a working-precision
-        shard: the shard itself when it has that dtype and is not offloaded, else a copy here."""
-        if shard.dtype == dtype and not self.offload:
+        shard: the shard itself when it has that dtype and is not offloaded (and not `copy`: a shard
+        that will be swapped out to NVMe cannot be what the optimizer steps), else a copy here."""
+        if shard.dtype == dtype and not self.offload and not copy:
             return shard
         master = self.empty(shard.numel(), dtype)
         master.copy_(shard)

@@ -21,13 +21,15 @@ its units one unit at a time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from zerodp import comm
+from zerodp.offload.swap import SwapSlot
 from zerodp.zero.layout import group_layout
 from zerodp.zero.units import Unit, UnitState, ZeroParamStatus, mark_partitioned
 
@@ -39,8 +41,12 @@ class Init:
 
     Args (DeepSpeed's names; the others it accepts are ignored):
         module: an already-built module to partition now instead of using a `with` block.
-        config / config_dict_or_path: the training config; its bf16/fp16 section sets the dtype.
+        config / config_dict_or_path: the training config; its bf16/fp16 section sets the dtype, and
+            its `zero_optimization.offload_param` where the shards go (as `remote_device`).
         dtype: the parameter dtype (default: from the config, else the parameters' own).
+        remote_device: where each rank's shards live until `initialize`: "cpu" (host memory), "nvme"
+            (a swap file under the config's offload_param.nvme_path, so a model larger than host memory
+            can be built), None / "none" / "cuda" = the device (default: the config's offload_param).
         enabled: False makes this a no-op context.
     """
 
@@ -49,9 +55,10 @@ class Init:
                  dtype: torch.dtype | None = None, remote_device: str | None = None, **_deepspeed_only: Any) -> None:
         if data_parallel_group is not None:
             raise NotImplementedError("zero.Init(data_parallel_group=...): zerodp shards over all ranks")
-        if remote_device not in (None, "none", "cuda"):
-            raise NotImplementedError(f"zero.Init(remote_device={remote_device!r}): parameter offload is not "
-                                      "implemented yet (issue #6)")
+        if remote_device not in (None, "none", "cuda", "cpu", "nvme"):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected None, \"none\", \"cuda\", "
+                             "\"cpu\" or \"nvme\"")
+        self.remote_device = remote_device
         self.enabled = enabled
         self.config = config if config is not None else config_dict_or_path
         self.dtype = dtype
@@ -61,13 +68,26 @@ class Init:
         if module is not None and enabled:
             self._setup()
             self._partition(module)
+            self.store = None
 
     def _setup(self) -> None:
+        from zerodp.config import param_offload_of
+        from zerodp.offload.nvme import PARAM_NVME_PATH_KEY, SwapStore
+
         comm.init_distributed()
         self.rank, self.num_ranks = comm.get_rank(), comm.get_world_size()
         self.device = comm.device_for_backend()
         if self.dtype is None and self.config is not None:
             self.dtype = _config_dtype(self.config)
+        device, nvme_path = param_offload_of(self.config) if self.config is not None else ("none", None)
+        device = self.remote_device if self.remote_device not in (None, "none", "cuda") else device
+        self.shard_device = torch.device("cpu") if device in ("cpu", "nvme") else self.device
+        self.store = None  # nvme: the shards' swap file, removed once initialize() has read them all
+        if device == "nvme":
+            if nvme_path is None:
+                raise ValueError('zero.Init(remote_device="nvme") needs zero_optimization.offload_param.nvme_path '
+                                 "in the config passed as config= / config_dict_or_path=")
+            self.store = SwapStore(nvme_path, key=PARAM_NVME_PATH_KEY)
 
     def __enter__(self) -> "Init":
         if not self.enabled:
@@ -89,6 +109,7 @@ class Init:
     def __exit__(self, *exc: Any) -> None:
         if not self.enabled:
             return
+        self.store = None  # kept alive by the parameters' slots only: it goes when initialize() has read them
         _active.remove(self)
         self._handle.remove()
         for cls, original in self._originals.items():
@@ -121,12 +142,17 @@ class Init:
                 comm.broadcast(full, src=0)
             layout = group_layout([full.numel()], self.num_ranks)
             start, stop = layout.owned_range(self.rank)
-            shard = torch.zeros(stop - start, dtype=dtype, device=self.device)
+            shard = torch.zeros(stop - start, dtype=dtype, device=self.shard_device)
             real = full[start:stop]
             shard[: real.numel()].copy_(real)
-            self._count(shard.numel() * shard.element_size() - p.numel() * p.element_size())
             mark_partitioned(p, shard)
             p._zerodp_init_shard = shard
+            if self.store is not None:  # written and freed: the next module's shards take its place
+                p._zerodp_init_slot = slot = SwapSlot(self.store, f"init/{p.ds_id}", shard)
+                slot.write().wait()
+                slot.evict()
+            in_memory = 0 if self.store is not None else shard.numel() * shard.element_size()
+            self._count(in_memory - p.numel() * p.element_size())
             p.data = torch.empty(0, dtype=dtype, device=self.device)
 
 
@@ -139,12 +165,39 @@ def gather_init_param(p: nn.Parameter) -> torch.Tensor:
     """The full value of a zero.Init-partitioned parameter, all-gathered from the ranks' shards
     (every rank must call it, for the same parameters in the same order)."""
     shard = p._zerodp_init_shard
-    full = torch.empty(shard.numel() * comm.get_world_size(), dtype=shard.dtype, device=shard.device)
-    if comm.get_world_size() > 1:
-        comm.all_gather_into_tensor(full, shard)
-    else:
-        full.copy_(shard)
+    device = comm.device_for_backend()
+    full = torch.empty(shard.numel() * comm.get_world_size(), dtype=shard.dtype, device=device)
+    with _init_shard_resident(p):
+        if comm.get_world_size() > 1:
+            comm.all_gather_into_tensor(full, shard.to(device))
+        else:
+            full.copy_(shard)
     return full[: p.ds_numel].view(p.ds_shape)
+
+
+@contextlib.contextmanager
+def _init_shard_resident(p: nn.Parameter, modify: bool = False) -> Iterator[None]:
+    """p's zero.Init shard in memory inside the block (read from its swap file with remote_device
+    "nvme", written back on exit if `modify`, then freed)."""
+    slot = getattr(p, "_zerodp_init_slot", None)
+    if slot is None:
+        yield
+        return
+    slot.read().wait()
+    try:
+        yield
+    finally:
+        if modify:
+            slot.write().wait()
+        slot.evict()
+
+
+def release_init_shard(p: nn.Parameter) -> None:
+    """Forget p's zero.Init shard (initialize() has copied it into its unit); the last one released
+    lets the swap file go."""
+    del p._zerodp_init_shard
+    if hasattr(p, "_zerodp_init_slot"):
+        del p._zerodp_init_slot
 
 
 def _init_shard_from(p: nn.Parameter, full: torch.Tensor) -> None:
@@ -152,7 +205,8 @@ def _init_shard_from(p: nn.Parameter, full: torch.Tensor) -> None:
     shard = p._zerodp_init_shard
     start = comm.get_rank() * shard.numel()
     real = full.reshape(-1)[start : start + shard.numel()]
-    shard[: real.numel()].copy_(real)
+    with _init_shard_resident(p, modify=True):
+        shard[: real.numel()].copy_(real)
 
 
 class GatheredParameters:

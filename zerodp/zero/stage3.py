@@ -78,7 +78,7 @@ from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficien
                              stepping_in, sum_over_ranks_grad_stats)
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import trainable_in_registration_order
-from zerodp.zero.init import gather_init_param, is_partitioned
+from zerodp.zero.init import gather_init_param, is_partitioned, release_init_shard
 from zerodp.zero.stage12 import MAX_BUCKETS_IN_FLIGHT, check_elementwise
 
 FULL_WEIGHTS_HINT = ('Set "zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to gather full '
@@ -174,7 +174,7 @@ class Stage3(Strategy):
             for p, view, partitioned in zip(f.params, f.views, from_init):
                 view.copy_(gather_init_param(p) if partitioned else p.detach())
                 if partitioned:
-                    del p._zerodp_init_shard
+                    release_init_shard(p)
             if self.num_ranks > 1 and not all(from_init):
                 comm.broadcast(f.full, src=0)
         for f in unit.flats:
@@ -197,7 +197,7 @@ class Stage3(Strategy):
         f = unit.trainable
         if f is None:
             return
-        unit.master = self.home.master_of(f.shard, self.policy.master_dtype)
+        unit.master = self.home.master_of(f.shard, self.policy.master_dtype, copy=self.param_store is not None)
         unit.owned_grad = self.home.zeros(f.layout.shard_numel, self.policy.grad_accum_dtype)
         unit.pieces = _group_pieces(f, self.group_of)  # (group, start, stop) within the owned shard
         unit.piece_views = [unit.master[lo:hi] for _, lo, hi in unit.pieces]  # made before any swap-out

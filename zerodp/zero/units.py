@@ -295,8 +295,8 @@ class Unit:
                 with f.shard_resident(modify=True, overwrite=True):
                     f.shard.copy_(f.full[f.owned])
         if self.master is not None and self.master is not self.trainable.shard:
-            with self.master_resident():
-                self.master.copy_(self.trainable.shard)
+            with self.master_resident():  # from the gathered buffer: a shard on NVMe is evicted again by now
+                self.master.copy_(self.trainable.full[self.trainable.owned])
 
     def held_full_bytes(self) -> int:
         """Bytes of gathered full buffers this unit holds now (0 while SHARDED)."""
