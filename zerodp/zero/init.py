@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from zerodp import comm
+from zerodp.offload.nvme import PARAM_NVME_PATH_KEY, SwapStore
 from zerodp.offload.swap import SwapSlot
 from zerodp.zero.layout import group_layout
 from zerodp.zero.units import Unit, UnitState, ZeroParamStatus, mark_partitioned
@@ -72,7 +73,6 @@ class Init:
 
     def _setup(self) -> None:
         from zerodp.config import param_offload_of
-        from zerodp.offload.nvme import PARAM_NVME_PATH_KEY, SwapStore
 
         comm.init_distributed()
         self.rank, self.num_ranks = comm.get_rank(), comm.get_world_size()

@@ -40,19 +40,7 @@ ranks about to gather different units raise naming them. On NCCL without sanity 
 cost a host sync per gather, so a hash of the order is compared at the end of every backward
 instead: it catches divergences whose collectives still pair up one to one (same-size units in
 another order); one that changes the sequence of collectives waits in a collective until the timeout.
-
-[Note: paired passes]
-A training forward on one rank and a forward without grad on another (a rank that generates while
-the other trains, or that generates more tokens without synced_gpus) gather the same units in the
-same order, so their collectives pair up and both forwards "work"; the divergence would surface at
-the backward as a hang or wrong gradients. So every gather check also compares the kind of pass
-(no-grad forward, training forward, backward) and raises at the first gather where they differ, on
-every rank. Without the per-gather check (NCCL), each forward of the root compares the kind in one
-16-byte all-reduce instead (a host sync per forward, not per gather). Forwards inside
-GatheredParameters over every unit gather nothing and need no pairing, so they are not checked.
-Stage-3 models carry `_is_fsdp_managed_module`, the flag transformers reads (with DeepSpeed's
-ZeRO-3 config) to default `generate(synced_gpus=...)` to True: a rank that is done keeps running
-forwards until every rank is.
+The checks are in zero/pairing.py.
 """
 
 from __future__ import annotations
@@ -76,6 +64,8 @@ from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_optimizer_state,
 from zerodp.precision import first_nonfinite
 from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, step_grad,
                              stepping_in, sum_over_ranks_grad_stats)
+from zerodp.zero import pairing
+from zerodp.zero.pairing import in_backward
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import trainable_in_registration_order
 from zerodp.zero.init import gather_init_param, is_partitioned, release_init_shard
@@ -118,7 +108,7 @@ class Stage3(Strategy):
         self._param_numel_in_cpu = 0  # offload_param nvme: shard elements kept in host memory so far
         self._build_units(module, param_groups)
         self._place_buffers(module)
-        module._is_fsdp_managed_module = True  # transformers' generate() then syncs ranks: [Note: paired passes]
+        module._is_fsdp_managed_module = True  # transformers' generate() then syncs ranks: [Note: paired passes] in zero/pairing.py
         self.optimizer = make_optimizer(self._optimizer_groups(param_groups))
         check_elementwise(self.optimizer, self.config)
         self.swapper = self._swapper(zero.offload_optimizer)
@@ -273,6 +263,7 @@ class Stage3(Strategy):
                                            m.register_forward_hook(partial(self._post_forward_alone, unit))]
 
     def remove_forward_hooks(self) -> None:
+        """Remove the hooks install_forward_hooks registered (the units must stay held meanwhile)."""
         for handle in self.forward_hooks:
             handle.remove()
         self.forward_hooks = []
@@ -280,7 +271,7 @@ class Stage3(Strategy):
     # --- forward ---------------------------------------------------------------------------------------
 
     def _pre_forward(self, unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
-        if _in_backward():  # recomputation of a checkpointed block: see [Note: stage-3 hooks]
+        if in_backward():  # recomputation of a checkpointed block: see [Note: stage-3 hooks]
             self._gather(unit)
             return None
         if unit is self.root:  # a no-grad pass with every unit held by GatheredParameters (generate()):
@@ -289,7 +280,7 @@ class Stage3(Strategy):
             return None
         if unit is self.root:
             if not self.sanity_checks:  # else the per-gather check compares the passes
-                self._check_same_kind_of_forward()
+                pairing.check_same_kind_of_forward()
             self.trace.begin("forward")
         following = self.trace.visit("forward", unit.index)
         self._gather(unit)
@@ -315,7 +306,7 @@ class Stage3(Strategy):
             if unit is self.root:  # the pass is over
                 self._all_held = False
             return None
-        if _in_backward():
+        if in_backward():
             return None
         if self._kept is not None and not torch.is_grad_enabled():
             self._keep_for_generation(unit)
@@ -363,7 +354,7 @@ class Stage3(Strategy):
         if unit.holds and not torch.is_grad_enabled():  # gathered by GatheredParameters: nothing to do
             return
         gather = unit.state is UnitState.SHARDED
-        if not _in_backward():
+        if not in_backward():
             self._gathered_alone.append(gather)
         if gather:
             self._gather(unit)
@@ -371,7 +362,7 @@ class Stage3(Strategy):
     def _post_forward_alone(self, unit: Unit, module: nn.Module, args: tuple, output) -> None:
         if unit.holds and not torch.is_grad_enabled():
             return
-        if _in_backward() or not self._gathered_alone.pop():
+        if in_backward() or not self._gathered_alone.pop():
             return
         if torch.is_grad_enabled():
             needing = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -444,7 +435,8 @@ class Stage3(Strategy):
             unit.release()
             unit.calls_pending = 0
         self.trace.end("backward")
-        self._check_same_order_on_all_ranks()
+        if not self.sanity_checks:  # else the per-gather checks have run
+            pairing.check_same_order(self.trace, self.units)
 
     def finish_reduction(self) -> None:
         """Nothing to do: every backward has already reduced its gradients."""
@@ -453,7 +445,7 @@ class Stage3(Strategy):
 
     def _gather(self, unit: Unit) -> None:
         if unit.state is UnitState.SHARDED and self.sanity_checks:
-            self._check_same_unit(unit)
+            pairing.check_same_unit(self.units, unit)
         unit.gather()
         self._note_live()
 
@@ -468,7 +460,7 @@ class Stage3(Strategy):
             if ahead + unit.numel > self.prefetch_numel or live + unit.numel > self.max_live_numel:
                 break
             if self.sanity_checks:
-                self._check_same_unit(unit)
+                pairing.check_same_unit(self.units, unit)
             unit.start_gather()
             ahead += unit.numel
             live += unit.numel
@@ -497,47 +489,6 @@ class Stage3(Strategy):
     def _note_live(self) -> None:
         live = sum(u.held_full_bytes() for u in self.units)
         self.transient_peak["gathered_params"] = max(self.transient_peak.get("gathered_params", 0), live)
-
-    def _check_same_unit(self, unit: Unit) -> None:
-        """Every rank is about to gather the same unit in the same kind of pass, else raise naming them."""
-        if self.num_ranks == 1:
-            return
-        row = torch.tensor([unit.index, _pass_kind()], dtype=torch.int64, device=comm.device_for_backend())
-        rows = comm.all_gather_rows(row).tolist()
-        if len({i for i, _ in rows}) > 1:
-            names = ", ".join(f"rank {r}: {self.units[i].name}" for r, (i, _) in enumerate(rows))
-            raise RuntimeError(f"ZeRO stage 3: ranks are about to gather different modules ({names}); every rank "
-                               "must run the same modules in the same order (data-dependent control flow that "
-                               "differs between ranks cannot be sharded this way)")
-        _raise_if_passes_differ([kind for _, kind in rows])
-
-    def _check_same_kind_of_forward(self) -> None:
-        """Without the per-gather check (NCCL): one 16-byte all-reduce at each forward of the root."""
-        if self.num_ranks == 1:
-            return
-        kind = _pass_kind()
-        counts = torch.zeros(len(_PASS_KINDS), dtype=torch.int64, device=comm.device_for_backend())
-        counts[kind] = 1
-        comm.all_reduce(counts)
-        if (counts > 0).sum().item() > 1:
-            _raise_if_passes_differ([k for k, n in enumerate(counts.tolist()) for _ in range(n)], by_rank=False)
-
-    def _check_same_order_on_all_ranks(self) -> None:
-        """One tiny all-reduce per backward: [hash, -hash] with MAX differs iff some rank differs."""
-        if self.num_ranks == 1 or self.sanity_checks:  # the per-gather check has run already
-            return
-        digest = self.trace.digest()
-        stats = torch.tensor([digest, -digest], dtype=torch.int64, device=comm.device_for_backend())
-        comm.all_reduce(stats, op=torch.distributed.ReduceOp.MAX)
-        if stats[0].item() == -stats[1].item():
-            return
-        with comm.ledger.outside_step():
-            orders = comm.gather_messages(self.trace.describe([u.name for u in self.units]))
-        lines = "\n".join(f"  rank {r}: {o}" for r, o in enumerate(orders))
-        raise RuntimeError("ZeRO stage 3: ranks ran different modules in this forward/backward, so their "
-                           "parameter gathers paired up wrongly and this micro-batch's results are invalid. "
-                           f"Units run per rank (first difference marked):\n{lines}\nEvery rank must run the "
-                           "same modules in the same order; if a branch depends on the data, run it on every rank")
 
     # --- the step --------------------------------------------------------------------------------------
 
@@ -770,31 +721,6 @@ def _group_pieces(f: FlatShard, group_of: dict) -> list[tuple[int, int, int]]:
             b = bounds.setdefault(group_of[p], [lo, hi])
             b[0], b[1] = min(b[0], lo), max(b[1], hi)
     return [(g, lo - start, hi - start) for g, (lo, hi) in bounds.items()]
-
-
-def _in_backward() -> bool:
-    """True while autograd's engine runs a backward on this thread (recomputation in checkpointing)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-_PASS_KINDS = ("a forward without grad (generation, evaluation)", "a training forward (grad enabled)", "a backward")
-
-
-def _pass_kind() -> int:
-    """Which kind of pass this gather belongs to (an index of _PASS_KINDS); see [Note: paired passes]."""
-    return 2 if _in_backward() else int(torch.is_grad_enabled())
-
-
-def _raise_if_passes_differ(kinds: list[int], by_rank: bool = True) -> None:
-    if len(set(kinds)) == 1:
-        return
-    who = ", ".join(f"rank {r}: {_PASS_KINDS[k]}" for r, k in enumerate(kinds)) if by_rank else \
-        " and ".join(sorted({_PASS_KINDS[k] for k in kinds}))
-    raise RuntimeError(f"ZeRO stage 3: ranks are running different kinds of passes ({who}); their parameter "
-                       "gathers would pair up wrongly. Every rank must run the same forwards and backwards; for "
-                       "generate(), every rank must keep calling the model until all are done (synced_gpus=True, "
-                       "which transformers sets itself for a zerodp stage-3 model), or generate inside "
-                       "GatheredParameters(model.parameters()), which gathers nothing per forward")
 
 
 class _PostBackward(torch.autograd.Function):
