@@ -14,20 +14,22 @@ from tests.models import batch, make_model
 BF16 = {"bf16": {"enabled": True}}
 
 
-def _config(stage: int, **zero) -> dict:
-    return {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, **zero}, **BF16}
+def _config(stage: int, precision: str = "bf16", **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, **zero},
+            **(BF16 if precision == "bf16" else {})}
 
 
-def _forward_only(rank: int, world: int, stage: int, frozen: bool, offload: str | None, swap_dir: str):
+def _forward_only(rank: int, world: int, stage: int, frozen: bool, offload: str | None, swap_dir: str,
+                  precision: str):
     import zerodp
 
     model = make_model()
-    reference = copy.deepcopy(model).to(torch.bfloat16)
+    reference = copy.deepcopy(model).to(torch.bfloat16 if precision == "bf16" else torch.float32)
     if frozen:
         model.requires_grad_(False)
     param = {"device": offload, **({"nvme_path": swap_dir, "max_in_cpu": 0} if offload == "nvme" else {})}
     zero = {"stage3_param_persistence_threshold": 0, **({"offload_param": param} if offload else {})}
-    config = _config(stage, **(zero if stage == 3 else {}))
+    config = _config(stage, precision, **(zero if stage == 3 else {}))
     if frozen:  # a shared config's optimizer: not built when nothing trains
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
     engine, optimizer, _, scheduler = zerodp.initialize(model=model, config=config)
@@ -43,30 +45,33 @@ def _forward_only(rank: int, world: int, stage: int, frozen: bool, offload: str 
             engine.memory_report()["held"], errors)
 
 
-def _unit_shard_bytes(world: int) -> int:
+def _unit_shard_numel(world: int) -> int:
     """Design formula at stage 3 (no persistent parameters): each module's own parameters form a unit
-    whose flat buffer is cut into `world` equal shards; bf16 is 2 bytes an element."""
+    whose flat buffer is cut into `world` equal shards."""
     model, seen, total = make_model(), set(), 0
     for module in model.modules():
         own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
         seen.update(id(p) for p in own)
         total += -(-sum(p.numel() for p in own) // world)
-    return 2 * total
+    return total
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("stage, frozen, offload", [(0, False, None), (1, True, None), (2, False, None),
                                                     (3, False, None), (3, True, "cpu"), (3, False, "nvme")])
 def test_a_forward_only_engine_matches_the_model_and_holds_nothing_for_training(tmp_path, stage, frozen,
-                                                                                offload) -> None:
-    for forward_only, groups, scheduler, equal, held, errors in run_ranks(_forward_only, 2,
-                                                                         args=(stage, frozen, offload, str(tmp_path))):
+                                                                                offload, precision) -> None:
+    # the parameters: 16-bit in bf16; in fp32 the fp32 parameters are their own masters
+    weights, size = ("param16", 2) if precision == "bf16" else ("param32_master", 4)
+    for forward_only, groups, scheduler, equal, held, errors in run_ranks(
+            _forward_only, 2, args=(stage, frozen, offload, str(tmp_path), precision)):
         assert forward_only and groups == [] and scheduler is None
-        assert all(equal)  # bitwise the unsharded bf16 model's outputs
-        assert set(held) <= {"param16", "buffer"}, held  # no gradients, fp32 masters or optimizer state
+        assert all(equal)  # bitwise the unsharded model's outputs, in the same dtype
+        assert set(held) <= {weights, "buffer"}, held  # no gradients, optimizer state (or 16-bit copies in fp32)
         if stage == 3:
-            assert held["param16"] == {(offload or "device"): _unit_shard_bytes(2)}
+            assert held[weights] == {(offload or "device"): size * _unit_shard_numel(2)}
         else:
-            assert held["param16"] == {"device": 2 * sum(p.numel() for p in make_model().parameters())}
+            assert held[weights] == {"device": size * sum(p.numel() for p in make_model().parameters())}
         assert len(errors) == 2 and all("runs forward only" in e for e in errors), errors
         reason = "every parameter of the model is frozen" if frozen else "built without an optimizer"
         assert all(reason in e for e in errors)
