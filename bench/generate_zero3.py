@@ -9,7 +9,8 @@ engines (no optimizer), generates greedily with `model.generate` (the same promp
 (every forward gathers every unit); stage 3 inside `with zerodp.zero.GatheredParameters(
 model.parameters()):` (gathered once on entry); stage 3 inside `engine.generation()` (each unit kept
 after its first gather, within stage3_max_live_parameters), and with a budget of half the model's
-parameters. Reports ms/token (median of --repeats calls after one warm-up), the units' all-gathers
+parameters. Rows run in --rounds interleaved rounds of fresh processes. Reports ms/token (the median
+over rounds of the median of --repeats calls after one warm-up), the units' all-gathers
 per generate() call (not the 16-byte rank checks gloo adds), tokens/s as a ratio to stage 2, and
 whether the tokens equal stage 2's.
 """
@@ -74,7 +75,8 @@ def worker(stage: int, mode: str, tokens: int, repeats: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="generate() calls per launch (median)")
+    parser.add_argument("--rounds", type=int, default=3, help="launches per row, interleaved (median)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -84,22 +86,26 @@ def main() -> int:
     rows = [(2, "plain", "stage 2"), (3, "plain", "stage 3"), (3, "held", "stage 3 inside GatheredParameters"),
             (3, "generation", "stage 3 inside engine.generation()"),
             (3, "generation-half", "stage 3 inside engine.generation(max_live_parameters=half the model)")]
-    results = {}
-    for stage, mode, label in rows:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-                   __file__, "--worker", str(stage), mode, "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
-        if done.returncode != 0:
-            raise SystemExit(f"{label} failed:\n{(done.stdout + done.stderr)[-3000:]}")
-        results[label] = json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"')))
-    base = results["stage 2"]
-    print(f"| engine ({args.nproc} ranks, {args.tokens} tokens) | ms/token | all-gathers per generate | "
-          "tokens/s vs stage 2 | tokens equal stage 2's |")
+    runs: dict[str, list[dict]] = {label: [] for _, _, label in rows}
+    for round_ in range(args.rounds):  # interleaved, so a drift of the machine's speed hits every row alike
+        for stage, mode, label in rows:
+            print(f"round {round_ + 1}/{args.rounds}: {label} ...", file=sys.stderr, flush=True)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                       str(args.nproc), __file__, "--worker", str(stage), mode, "--tokens", str(args.tokens),
+                       "--repeats", str(args.repeats)]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
+            if done.returncode != 0:
+                raise SystemExit(f"{label} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+            runs[label].append(json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"'))))
+    ms = {label: statistics.median(r["ms_per_token"] for r in rs) for label, rs in runs.items()}
+    base = runs["stage 2"][0]
+    print(f"| engine ({args.nproc} ranks, {args.tokens} tokens) | ms/token (median of {args.rounds} rounds) | "
+          "all-gathers per generate | tokens/s vs stage 2 | tokens equal stage 2's |")
     print("|---|---|---|---|---|")
-    for label, r in results.items():
-        print(f"| {label} | {r['ms_per_token']:.2f} | {r['gathers']} | {base['ms_per_token'] / r['ms_per_token']:.2f}x "
-              f"| {r['tokens'] == base['tokens']} |")
+    for label, rs in runs.items():
+        print(f"| {label} | {ms[label]:.2f} | {rs[-1]['gathers']} | {ms['stage 2'] / ms[label]:.2f}x "
+              f"| {all(r['tokens'] == base['tokens'] for r in rs)} |")
     return 0
 
 

@@ -1,7 +1,14 @@
-"""ZeRO-Infinity on this machine: train a GPT whose model states exceed RAM, from NVMe.
+"""ZeRO-Infinity on this machine: train a GPT whose model states exceed RAM, from NVMe; or, with
+--generate, ZeRO-Inference: generate from a GPT whose 16-bit weights alone exceed RAM.
 
     python bench/infinity.py --nvme-path /work/nvme_swap                 # 3.3B params, 2 steps
     python bench/infinity.py --nvme-path /tmp/swap --d-model 512 --n-layer 4 --steps 2   # a quick check
+    python bench/infinity.py --nvme-path /work/nvme_swap --generate 3 --d-model 5120 --n-layer 48   # 15.1B, inference
+
+--generate N builds the model under `zero.Init` with no optimizer (a forward-only engine, every
+parameter shard in a swap file, `max_in_cpu` 0), greedily generates N tokens (no KV cache: each token
+is one forward, which streams every weight from the disk once), and reports tokens/s against the
+disk-bound limit: the `dd` read rate / the 16-bit weight bytes (one token per full read of the weights).
 
 One rank, ZeRO stage 3, bf16, the model built under `zero.Init` (never whole in memory), optimizer
 state (fp32 master + Adam, 12 bytes per parameter) and parameter shards (2 bytes) in swap files
@@ -61,7 +68,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--dd-mib", type=int, default=4096, help="size of the dd probe")
     parser.add_argument("--threads", type=int, default=4, help="aio.intra_op_parallelism")
+    parser.add_argument("--generate", type=int, default=0, metavar="N",
+                        help="ZeRO-Inference: generate N tokens from a forward-only engine instead of training")
+    parser.add_argument("--param-buffer-size", type=float, default=1e8,
+                        help="--generate: offload_param.buffer_size (elements a read-ahead buffer holds; default 1e8)")
+    parser.add_argument("--param-buffer-count", type=int, default=5,
+                        help="--generate: offload_param.buffer_count (units read ahead; default 5)")
     args = parser.parse_args()
+    if args.generate:
+        return generate(args)
     folder = Path(args.nvme_path)
     folder.mkdir(parents=True, exist_ok=True)
     dd_write, dd_read = dd_bandwidth(folder, args.dd_mib)
@@ -131,6 +146,63 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "held"}, indent=1))
     print("ledger:", json.dumps(report["held"]))
     out = Path(__file__).parent / "results" / "infinity.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    engine.destroy()
+
+
+def generate(args: argparse.Namespace) -> None:
+    """ZeRO-Inference: N greedy tokens from a model whose 16-bit weights live only in swap files."""
+    folder = Path(args.nvme_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    dd_write, dd_read = dd_bandwidth(folder, args.dd_mib)
+    print(f"dd on {folder}: write {dd_write:,.0f} MB/s, read {dd_read:,.0f} MB/s (O_DIRECT, 1 MiB blocks)")
+    torch.manual_seed(0)
+    zerodp.init_distributed()
+    model_cfg = GPTConfig(vocab_size=8192, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.n_layer,
+                          n_head=max(1, args.d_model // 128))
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch, "bf16": {"enabled": True},
+        "aio": {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": args.threads},
+        "zero_optimization": {
+            "stage": 3, "stage3_param_persistence_threshold": 0,
+            "offload_param": {"device": "nvme", "nvme_path": str(folder), "max_in_cpu": 0,
+                              "buffer_size": args.param_buffer_size, "buffer_count": args.param_buffer_count}},
+    }
+    start = time.perf_counter()
+    with zerodp.zero.Init(config=config):
+        model = TinyGPT(model_cfg)
+    built = time.perf_counter() - start
+    num_params = sum(p.ds_numel for p in model.parameters())
+    weight_bytes, ram = 2 * num_params, _ram_bytes()
+    print(f"model: {num_params / 1e9:.2f}B parameters, 16-bit weights {format_bytes(weight_bytes)} = "
+          f"{weight_bytes / ram:.2f}x this machine's RAM ({format_bytes(ram)}); built under zero.Init in {built:.0f} s")
+    start = time.perf_counter()
+    engine, *_ = zerodp.initialize(model=model, config=config)
+    print(f"initialize (forward only: {engine.forward_only}): {time.perf_counter() - start:.0f} s; "
+          f"ledger {json.dumps(engine.memory_report()['held'])}")
+    idx = torch.randint(0, model_cfg.vocab_size, (args.micro_batch, 4), generator=torch.Generator().manual_seed(0))
+    before, token_s = engine.swap_report(), []
+    with torch.no_grad():
+        for n in range(args.generate):
+            t0 = time.perf_counter()
+            logits = engine(idx, None)
+            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            token_s.append(time.perf_counter() - t0)
+            print(f"token {n + 1}: {token_s[-1]:.1f} s, peak RSS {format_bytes(_peak_rss())}")
+    read_bytes = _delta(engine.swap_report(), before, "read_bytes")
+    dd_write_after, dd_read_after = dd_bandwidth(folder, args.dd_mib)
+    dd_read_mean = (dd_read + dd_read_after) / 2
+    limit = dd_read_mean * 1e6 / weight_bytes  # tokens/s if every token only waited for one read of the weights
+    achieved = args.generate / sum(token_s)
+    result = {
+        "params": num_params, "weight_bytes": weight_bytes, "ram_bytes": ram, "peak_rss_bytes": _peak_rss(),
+        "build_s": built, "token_s": token_s, "tokens_per_s": achieved, "read_bytes": read_bytes,
+        "read_bytes_per_token": read_bytes / args.generate, "dd_read_MBps": [dd_read, dd_read_after],
+        "disk_bound_tokens_per_s": limit, "share_of_disk_bound": achieved / limit, "tokens": idx.tolist(),
+    }
+    print(json.dumps(result, indent=1))
+    out = Path(__file__).parent / "results" / "zero_inference.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     engine.destroy()
