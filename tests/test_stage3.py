@@ -645,8 +645,13 @@ def _generation_budget(rank: int, world: int, budget: int | None):
         with engine.generation(max_live_parameters=budget):
             kept, kept_gathers = generate()
             kept_numel = sum(u.numel for u in engine.strategy._kept)
+            try:
+                engine.step()  # an update would reach the shards, not the kept full copies
+                refused = not kept_numel
+            except RuntimeError:
+                refused = True
     released = all(u.held_full_bytes() == 0 and not u.holds for u in engine.strategy.units)
-    return plain_gathers, kept_gathers, kept_numel, torch.equal(plain, kept), released
+    return plain_gathers, kept_gathers, kept_numel, torch.equal(plain, kept), released and refused
 
 
 @pytest.mark.parametrize("budget, gathers, kept_numel", [
