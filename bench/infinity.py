@@ -77,15 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.generate:
         return generate(args)
-    folder = Path(args.nvme_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    dd_write, dd_read = dd_bandwidth(folder, args.dd_mib)
-    print(f"dd on {folder}: write {dd_write:,.0f} MB/s, read {dd_read:,.0f} MB/s (O_DIRECT, 1 MiB blocks)")
-
-    torch.manual_seed(0)
-    zerodp.init_distributed()
-    model_cfg = GPTConfig(vocab_size=8192, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.n_layer,
-                          n_head=max(1, args.d_model // 128))
+    folder, dd_write, dd_read, model_cfg = _set_up(args)
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_clipping": 1.0, "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
@@ -151,8 +143,8 @@ def main() -> None:
     engine.destroy()
 
 
-def generate(args: argparse.Namespace) -> None:
-    """ZeRO-Inference: N greedy tokens from a model whose 16-bit weights live only in swap files."""
+def _set_up(args: argparse.Namespace) -> tuple[Path, float, float, GPTConfig]:
+    """The swap folder, dd's write and read MB/s there, the process group, and the GPT's sizes."""
     folder = Path(args.nvme_path)
     folder.mkdir(parents=True, exist_ok=True)
     dd_write, dd_read = dd_bandwidth(folder, args.dd_mib)
@@ -161,6 +153,12 @@ def generate(args: argparse.Namespace) -> None:
     zerodp.init_distributed()
     model_cfg = GPTConfig(vocab_size=8192, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.n_layer,
                           n_head=max(1, args.d_model // 128))
+    return folder, dd_write, dd_read, model_cfg
+
+
+def generate(args: argparse.Namespace) -> None:
+    """ZeRO-Inference: N greedy tokens from a model whose 16-bit weights live only in swap files."""
+    folder, _, dd_read, model_cfg = _set_up(args)
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch, "bf16": {"enabled": True},
         "aio": {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": args.threads},

@@ -30,9 +30,8 @@ from zerodp.config import add_config_arguments
 from zerodp.log import logger
 
 
-
 @functools.wraps(zerodp.initialize)
-def initialize(*args, **kwargs):
+def initialize(*args, **kwargs) -> tuple:
     engine, *rest = zerodp.initialize(*args, **kwargs)
     engine.count_activations = engine.config.memory_breakdown  # DeepSpeed's autograd, unless asked
     parameter_offload.attach(engine)
