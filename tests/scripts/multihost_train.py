@@ -6,7 +6,8 @@
 For each ZeRO stage in turn, trains tests/models.py's TiedMLP in fp32 on each rank's own batches (by
 global rank) with 2 accumulation steps; with --save-at K saves a checkpoint under DIR/stageS after step
 K; with --resume loads it first and trains the remaining steps. Prints one JSON line on global rank 0:
-every rank's losses per stage, the world size, and the host each rank ran on.
+every rank's losses per stage (float32 values, exact in the float64 row gathered), the world size, and
+the host each rank ran on.
 """
 
 import argparse
@@ -17,6 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import zerodp  # noqa: E402
@@ -52,10 +54,19 @@ def train(stage: int) -> tuple[list[float], int]:
 
 
 results = {stage: train(stage) for stage in map(int, args.stages.split(","))}
-everyone = [None] * dist.get_world_size()
-host = os.environ.get("ZERODP_TEST_HOST", socket.gethostname())
-dist.all_gather_object(everyone, {"losses": {s: r[0] for s, r in results.items()}, "host": host})
+# every rank's losses and host through zerodp.comm (its collectives leave nothing for gloo's threads to
+# release at interpreter exit; a last raw dist.all_gather_object here aborted a rank at exit in 1 of about
+# 20 launches on this machine: gloo, torch #190489)
+host = os.environ.get("ZERODP_TEST_HOST", "")  # tests/netns.py's namespace "<tag>-h<index>", if in one
+tag, _, index = host.rpartition("-h")
+row = torch.tensor([float(index) if host else -1.0] + [x for losses, _ in results.values() for x in losses],
+                   dtype=torch.float64)
+rows = zerodp.comm.all_gather_rows(row).tolist()
 if dist.get_rank() == 0:
-    print(json.dumps({"losses": {s: [r["losses"][s] for r in everyone] for s in results}, "world": dist.get_world_size(),
-                      "hosts": [r["host"] for r in everyone],
+    losses, at = {}, 1
+    for stage, (mine, _) in results.items():
+        losses[stage] = [r[at : at + len(mine)] for r in rows]
+        at += len(mine)
+    print(json.dumps({"losses": losses, "world": dist.get_world_size(),
+                      "hosts": [f"{tag}-h{int(r[0])}" if r[0] >= 0 else socket.gethostname() for r in rows],
                       "global_steps": {s: r[1] for s, r in results.items()}}))
