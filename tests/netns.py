@@ -29,9 +29,15 @@ class Host:
     address: str
     interface: str
 
-    def popen(self, argv: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
-        """Start `argv` inside this host's namespace with `env` (plus this host's GLOO_SOCKET_IFNAME)."""
+    def popen(self, argv: list[str], env: dict[str, str], disk: tuple[str, str] | None = None,
+              **kwargs) -> subprocess.Popen:
+        """Start `argv` inside this host's namespace with `env` (plus this host's GLOO_SOCKET_IFNAME).
+        `disk` (source, target): the host's own disk, `source` bind-mounted at `target` in a private
+        mount namespace of its processes (node-local storage; nothing is mounted on the machine)."""
         env = {**env, "GLOO_SOCKET_IFNAME": self.interface, "ZERODP_TEST_HOST": self.namespace}
+        if disk is not None:
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", *disk, *argv]
         return subprocess.Popen(["ip", "netns", "exec", self.namespace, *argv], env=env, **kwargs)
 
 

@@ -616,3 +616,24 @@ def test_resume_when_rank_0_owns_no_element_of_a_param_group(tmp_path: Path) -> 
     results = run_ranks(_resume_with_a_group_rank_0_does_not_own, 2, args=(str(tmp_path / "ckpt"), 3))
     assert results[0]["owned"][1] == 0 < results[1]["owned"][1]  # the case: rank 0 owns nothing of group 2
     assert all(r["equal"] for r in results)
+
+
+def test_hosts_that_share_a_checkpoint_directory_with_only_some_others_are_refused_by_group() -> None:
+    from zerodp.checkpoint.save import _storage_problem
+    from zerodp.zero.topology import NodeLayout, ranks_by_node
+
+    nodes = ranks_by_node(["a#0", "a#0", "b#1", "b#1", "c#2", "c#2", "d#3", "d#3"])
+    assert nodes == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert ranks_by_node(["x", "y", "x"]) == [[0, 2], [1]]  # not contiguous: grouped all the same
+    layout = NodeLayout(tuple(map(tuple, nodes)), ("a#0", "b#1", "c#2", "d#3"))
+    shared = {k: [0, 1, 2, 3] for k in range(4)}
+    apart = {k: [k] for k in range(4)}
+    pairs = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    assert _storage_problem(Path("ckpt"), layout, shared, node_local=False) is None
+    assert _storage_problem(Path("ckpt"), layout, shared, node_local=True) is None
+    assert _storage_problem(Path("ckpt"), layout, apart, node_local=True) is None
+    assert "host b#1 (ranks 2-3) does not see what host a#0 (ranks 0-1) writes" in _storage_problem(
+        Path("ckpt"), layout, apart, node_local=False)
+    for node_local in (False, True):
+        assert "shared by some hosts but not all" in _storage_problem(Path("ckpt"), layout, pairs, node_local)
+        assert "[['a#0', 'b#1'], ['c#2', 'd#3']]" in _storage_problem(Path("ckpt"), layout, pairs, node_local)

@@ -2,8 +2,9 @@
 each with `zerodp run` over torchrun, gloo's traffic between hosts crossing the veth pairs.
 
 2 hosts x 2 ranks must train as 1 host x 4 ranks does (bitwise in fp32: gloo sums in rank order), with
-torchrun's static rendezvous (--master-addr) and its c10d rendezvous; a checkpoint saved on 2 hosts
-resumes on 1; every host's job exits 0 on its own (none waits on another's exit barrier).
+torchrun's static rendezvous (--master-addr) and its c10d rendezvous; a checkpoint saved on 2 hosts, each
+on its own disk (checkpoint.use_node_local_storage), gathered, resumes on 1; every host's job exits 0 on
+its own (none waits on another's exit barrier).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _finish(procs: list[subprocess.Popen]) -> list[str]:
     return [out for _, out, _ in results]
 
 
-def _on_hosts(on: list[Host], rendezvous: str, *script_args: str) -> dict:
+def _on_hosts(on: list[Host], rendezvous: str, *script_args: str, disks: list[tuple[str, str]] | None = None) -> dict:
     procs = []
     for node_rank, host in enumerate(on):
         # The hosts share this machine's hostname, which torchrun would advertise as the workers' master
@@ -58,8 +59,8 @@ def _on_hosts(on: list[Host], rendezvous: str, *script_args: str) -> dict:
         else:  # c10d: torchrun assigns the node ranks; is_host says which host serves the endpoint
             launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{on[0].address}:29612", "--rdzv-id", "zdp",
                        "--rdzv-conf", f"is_host={int(node_rank == 0)}"]
-        procs.append(host.popen([*ZERODP, *launch, SCRIPT, *script_args], ENV, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=REPO))
+        procs.append(host.popen([*ZERODP, *launch, SCRIPT, *script_args], ENV, disk=disks and disks[node_rank],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO))
     (result,) = [obj for out in _finish(procs) for obj in json_objects(out) if "losses" in obj]
     return result
 
@@ -72,11 +73,22 @@ def _one_host(num_ranks: int, *script_args: str) -> dict:
 
 
 def test_two_hosts_train_bitwise_as_one_host_and_a_checkpoint_moves_between_them(tmp_path: Path) -> None:
+    from zerodp.cli import main
+
+    disks = [(str(tmp_path / f"disk{i}"), str(tmp_path / "b")) for i in range(2)]  # each host's own disk at b/
+    for path in (*(d for d, _ in disks), tmp_path / "b"):
+        os.makedirs(path)
     with hosts(2) as on:
         spread = _on_hosts(on, "static", "--stages", "0,1,2,3", "--ckpt", str(tmp_path / "a"))
-        saved = _on_hosts(on, "c10d", "--stages", "3", "--steps", "2", "--save-at", "2", "--ckpt", str(tmp_path / "b"))
+        saved = _on_hosts(on, "c10d", "--stages", "3", "--steps", "2", "--save-at", "2", "--ckpt", str(tmp_path / "b"),
+                          "--node-local", disks=disks)
     assert sorted(spread["hosts"]) == sorted([on[0].namespace] * 2 + [on[1].namespace] * 2)
     assert len(set(saved["hosts"])) == 2 and saved["world"] == 4
+    # node-local: each host's disk holds its own two ranks' files; gathered, they load on one host
+    held = [sorted(n for n in os.listdir(Path(d, "stage3", "global_step2")) if n.startswith("rank_")) for d, _ in disks]
+    assert sorted(held) == [["rank_0_of_4.pt", "rank_1_of_4.pt"], ["rank_2_of_4.pt", "rank_3_of_4.pt"]]
+    assert os.listdir(tmp_path / "b") == []  # nothing reached the machine's own directory
+    assert main(["ckpt", "gather", *(str(Path(d, "stage3")) for d, _ in disks), "--out", str(tmp_path / "b" / "stage3")]) == 0
     together = _one_host(4, "--stages", "0,1,2,3", "--ckpt", str(tmp_path / "c"))
     assert spread["world"] == together["world"] == 4
     for stage in "0123":

@@ -6,6 +6,7 @@
     zerodp deepspeed --num_gpus 2 train.py ...    # DeepSpeed's launcher flags, over torchrun
     zerodp ckpt convert ckpt/ out/                # full weights as safetensors shards
     zerodp ckpt convert ds_ckpt/ out/ --to zerodp # a DeepSpeed ZeRO checkpoint as a zerodp one
+    zerodp ckpt gather h0/ckpt h1/ckpt --out ckpt # one checkpoint from a node-local save's host directories
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--max-shard-size", default="5GB",
                          help="largest output file: 500MB, 5GB or 5G (powers of 1000), 5GiB (powers of 1024); default 5GB")
     convert.set_defaults(func=_cmd_ckpt_convert)
+    gather = ckpt.add_parser("gather", help="one checkpoint from the hosts' directories of a save made with "
+                                            "checkpoint.use_node_local_storage (copy them onto one machine first)")
+    gather.add_argument("dirs", nargs="+", metavar="DIR", help="every host's checkpoint directory (or tag directory)")
+    gather.add_argument("--out", required=True, help="directory to write OUT/TAG and OUT/latest into")
+    gather.add_argument("--tag", default=None, help="tag to gather (default: the one in each DIR/latest)")
+    gather.set_defaults(func=_cmd_ckpt_gather)
 
     demo = sub.add_parser("demo", help="train a small GPT on a synthetic task, then show the memory ledger")
     demo.add_argument("--nproc", type=_positive_int, default=2, help="processes (ranks) to launch (default 2)")
@@ -165,7 +172,6 @@ def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
     from zerodp.checkpoint.convert import copy_hf_config, hf_config_problem, parse_size
     from zerodp.checkpoint.deepspeed import convert_to_zerodp, find_tag_dir
     from zerodp.checkpoint.format import CheckpointError
-    from zerodp.metrics import ProgressBar
 
     dtype = getattr(torch, _DTYPES[args.dtype])
     try:
@@ -180,12 +186,7 @@ def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         bar: list = []
-
-        def progress(done: int, total: int) -> None:
-            if not bar:
-                bar.append(ProgressBar(total, sys.stderr))
-            bar[0].update(done)
-
+        progress = _progress_into(bar)
         if args.to == "zerodp":
             files = convert_to_zerodp(args.dir, args.out, args.tag, progress)
         else:
@@ -199,6 +200,34 @@ def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
         print(f"zerodp ckpt convert: {err}", file=sys.stderr)
         return EXIT_FAILED
     print("\n".join(str(f) for f in files))
+    return EXIT_OK
+
+
+def _progress_into(bar: list):
+    """A (done, total) callback that draws a progress bar on stderr, made at the first call, into `bar`."""
+    from zerodp.metrics import ProgressBar
+
+    def progress(done: int, total: int) -> None:
+        if not bar:
+            bar.append(ProgressBar(total, sys.stderr))
+        bar[0].update(done)
+
+    return progress
+
+
+def _cmd_ckpt_gather(args: argparse.Namespace) -> int:
+    from zerodp.checkpoint.format import CheckpointError
+    from zerodp.checkpoint.gather import gather_checkpoint
+
+    bar: list = []
+    try:
+        out = gather_checkpoint(args.dirs, args.out, args.tag, _progress_into(bar))
+    except (CheckpointError, OSError) as err:
+        print(f"zerodp ckpt gather: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    if bar:
+        bar[0].close()
+    print(out)
     return EXIT_OK
 
 

@@ -41,7 +41,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
     "zero_optimization.legacy_stage1": (False, "DeepSpeed removed the legacy stage-1 implementation and raises on true"),
     "aio.use_gds": (False, "GPUDirect Storage needs DeepSpeed's CUDA I/O op"),
     "checkpoint.writer": (None, "zerodp writes its own checkpoint format"),
-    "checkpoint.use_node_local_storage": (False, "checkpoints are written to a directory every rank shares"),
     "checkpoint.parallel_write.pipeline_stage": (False, _PIPE),
     "data_types.param_dtype": (None, "the working dtype comes from the bf16 / fp16 sections"),
     "data_types.buffer_dtype": (None, "buffers keep the dtype they were built with (DeepSpeed's default)"),

@@ -5,7 +5,7 @@
 
 For each ZeRO stage in turn, trains tests/models.py's TiedMLP in fp32 on each rank's own batches (by
 global rank) with 2 accumulation steps; with --save-at K saves a checkpoint under DIR/stageS after step
-K; with --resume loads it first and trains the remaining steps. Prints one JSON line on global rank 0:
+K (--node-local: into each host's own DIR); with --resume loads it first and trains the remaining steps. Prints one JSON line on global rank 0:
 every rank's losses per stage (float32 values, exact in the float64 row gathered), the world size, and
 the host each rank ran on.
 """
@@ -30,13 +30,15 @@ parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--ckpt", required=True)
 parser.add_argument("--save-at", type=int, default=None)
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--node-local", action="store_true", help="checkpoint.use_node_local_storage")
 args = parser.parse_args()
 
 
 def train(stage: int) -> tuple[list[float], int]:
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 10**6,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "checkpoint": {"use_node_local_storage": args.node_local}}
     engine, *_ = zerodp.initialize(model=make_model(), config=config)
     ckpt = os.path.join(args.ckpt, f"stage{stage}")
     if args.resume:

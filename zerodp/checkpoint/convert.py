@@ -327,9 +327,12 @@ def describe(ckpt_dir: str | Path, tag: str | None = None) -> str:
     lines = [f"{tag_dir}: format {meta['format_version']}, saved by {meta['world_size']} ranks at ZeRO stage "
              f"{meta['stage']}, {meta['precision']}, optimizer {meta['optimizer']}",
              f"  {len(meta['params'])} trainable parameters, {numel:,} elements; {len(meta['files'])} files, {size:,} bytes"]
+    for node in meta.get("nodes", []):
+        lines.append(f"  node-local: host {node['host']} holds {len(node['files'])} files (ranks {node['ranks']})")
     for name, info in sorted(meta["files"].items()):
+        here = "" if "nodes" not in meta or (tag_dir / name).exists() else "  (on another host)"
         lines.append(f"  {name:<24} {info['bytes']:>14,} bytes  sha256 {info['sha256'][:16]}...  "
-                     f"{len(info.get('pieces', []))} pieces")
+                     f"{len(info.get('pieces', []))} pieces{here}")
     return "\n".join(lines)
 
 

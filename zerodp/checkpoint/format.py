@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from zerodp import comm
+from zerodp.zero.topology import NodeLayout
 
 FORMAT_VERSION = 1
 META = "meta.json"
@@ -58,6 +59,12 @@ def rank_file_order(name: str) -> tuple[int, int]:
     """(rank, part) of a rank file's name: sorting by it puts every rank's pieces in flat order."""
     fields = name.removesuffix(".pt").split("_")
     return int(fields[1]), int(fields[5]) if len(fields) > 5 else 0
+
+
+def file_rank(name: str) -> int | None:
+    """The rank that wrote a rank or RNG file (None for engine.pt)."""
+    match = re.fullmatch(r"(?:rank_(\d+)_of_\d+(?:_part_\d+)?|rng_(\d+))\.pt", name)
+    return None if match is None else int(match[1] or match[2])
 
 
 def rng_file(rank: int) -> str:
@@ -105,6 +112,13 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_latest(root: Path, tag: str) -> None:
+    """Point `root/latest` at `tag`, atomically (latest.tmp, fsync, rename, fsync the directory)."""
+    fsync_write(root / f"{LATEST}.tmp", tag.encode())
+    (root / f"{LATEST}.tmp").rename(root / LATEST)
+    fsync_dir(root)
 
 
 def read_meta(tag_dir: Path) -> dict:
@@ -156,7 +170,20 @@ def meta_problems(meta: Any) -> list[str]:
             problems.append(f"params['{name}'] has no valid 'shape' (a list of sizes)")
     for name, info in _items(meta.get("files")):
         problems += [f"files['{name}']: {p}" for p in _file_entry_problems(name, info)]
+    nodes = meta.get("nodes", [])
+    if not isinstance(nodes, list) or not all(
+            isinstance(n, dict) and isinstance(n.get("host"), str) and isinstance(n.get("ranks"), list)
+            and all(_is(r, int) for r in n["ranks"]) and isinstance(n.get("files"), list)
+            and all(isinstance(f, str) and _FILE_NAME.fullmatch(f) for f in n["files"]) for n in nodes):
+        problems.append("'nodes' is not a list of {host, ranks, files} (which host holds which file)")
     return problems
+
+
+def host_of_file(meta: dict, name: str) -> str | None:
+    """'host H (ranks A-B)' holding `name` in a node-local checkpoint (None: one shared directory)."""
+    nodes = meta.get("nodes", [])
+    layout = NodeLayout(tuple(tuple(n["ranks"]) for n in nodes), tuple(n["host"] for n in nodes))
+    return next((layout.describe(k) for k, n in enumerate(nodes) if name in n["files"] and name != ENGINE), None)
 
 
 def _file_entry_problems(name: str, info: Any) -> list[str]:
@@ -196,6 +223,13 @@ def verified_load(tag_dir: Path, name: str, meta: dict, mmap: bool = False, chec
     if recorded is None:
         raise CheckpointError(f"{path} is not listed in {tag_dir / META}")
     if not path.exists():
+        host = host_of_file(meta, name)
+        if host is not None:
+            raise CheckpointError(
+                f"{path} is not on this host: this checkpoint was saved with checkpoint.use_node_local_storage "
+                f"and {host} holds that file. Load it on the hosts that saved it, with the same ranks on each "
+                "(a static rendezvous: --node-rank), or gather the hosts' directories into one checkpoint that "
+                "loads anywhere: zerodp ckpt gather DIR_OF_HOST0 DIR_OF_HOST1 ... --out DIR")
         raise CheckpointError(f"{path} is missing (saved by {meta['world_size']} ranks; every rank file is needed)")
     if path.stat().st_size != recorded["bytes"] or (
             (checked is None or name not in checked) and sha256(path) != recorded["sha256"]):

@@ -6,24 +6,38 @@ writes meta.json last, fsyncs, renames TAG.tmp to TAG and only then replaces `la
 latest.tmp, fsync, rename). A process killed at any moment leaves either the previous checkpoint
 with `latest` pointing at it, or the new one complete: a TAG directory without meta.json is never
 published, and `latest` never names one.
+
+[Note: node-local storage]
+On several hosts, DIR is either one directory all hosts share or, with
+`checkpoint.use_node_local_storage`, one directory per host: then each host's lowest rank does rank 0's
+part for its host (makes TAG.tmp, writes engine.pt and meta.json, renames, replaces `latest`), each rank
+writes its own files there, and meta.json's `nodes` says which host holds which file. Which of the two
+DIR is, is probed, not assumed: every host's lowest rank writes a probe file into DIR and reports the
+probes it sees (one gather); a save fails before writing anything when the directory is not what the
+config says (naming the host and the key). Hosts rename TAG.tmp to TAG, all of them, before any replaces
+`latest`, so if hosts' `latest` disagree after a crash, the newer tag is complete on every host (load.py
+picks it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from zerodp import comm
-from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, LATEST, META, CheckpointError, check_tag, fsync_dir,
-                                      fsync_write, on_every_rank, rank_file, rank_file_order, rng_file, sha256,
-                                      torch_save_synced)
+from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, META, CheckpointError, check_tag,
+                                      file_rank, fsync_dir, fsync_write, on_every_rank, rank_file, rank_file_order,
+                                      replace_latest, rng_file, sha256, torch_save_synced)
 from zerodp.log import log_rank0, logger
 from zerodp.zero.base import elementwise_state
+from zerodp.zero.topology import NodeLayout, node_layout
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -36,24 +50,98 @@ def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_s
     with comm.ledger.outside_step():
         _all_ranks_called("save_checkpoint")
         _check_tag_on_all_ranks(tag, engine.config.checkpoint.tag_validation)
+        storage = _storage(root, engine.config.checkpoint.use_node_local_storage)
+        leads = rank in storage.leaders  # does rank 0's part for its directory
         tmp = root / f"{tag}.tmp"
-        on_every_rank(lambda: _make_empty(tmp) if rank == 0 else None)  # its gather is the barrier
+        on_every_rank(lambda: _make_empty(tmp, storage) if leads else storage.clean_up_probe())  # a barrier
         try:
             extra = _module_extra(engine, exclude_frozen_parameters)  # stage 3 gathers: every rank
             extra_optimizer = _optimizer_state_of_all_ranks(engine.optimizer)  # a collective
-            files = on_every_rank(lambda: _write_files(engine, tmp, rank, world, client_state or {},
+            files = on_every_rank(lambda: _write_files(engine, tmp, rank, world, leads, client_state or {},
                                                        {**extra_optimizer, "module_extra": extra}))
             digests = _gather_digests(tmp, files, world)
-            on_every_rank(lambda: _publish(engine, root, tag, tmp, digests, save_latest) if rank == 0 else None)
+            on_every_rank(lambda: _publish(engine, root, tag, tmp, digests, storage) if leads else None)
+            if save_latest:  # only once every directory holds TAG: see [Note: node-local storage]
+                on_every_rank(lambda: replace_latest(root, tag) if leads else None)
         except BaseException:
-            if rank == 0:  # every rank is past its writes: each raised from the same on_every_rank
+            if leads:  # every rank is past its writes: each raised from the same on_every_rank
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
     log_rank0("saved checkpoint %s", root / tag)
     return True
 
 
-def _make_empty(tmp: Path) -> None:
+@dataclass(frozen=True)
+class Storage:
+    """Where a save writes: one directory all ranks share (`node_local` False, leader rank 0), or
+    one per host (the lowest rank of each host leads). See [Note: node-local storage]."""
+
+    layout: NodeLayout
+    node_local: bool
+    probe: Path | None = None  # this rank's probe file, removed once every host looked
+
+    @property
+    def leaders(self) -> list[int]:
+        return [ranks[0] for ranks in self.layout.nodes] if self.node_local else [0]
+
+    def clean_up_probe(self) -> None:
+        if self.probe is not None:
+            self.probe.unlink(missing_ok=True)
+
+
+def _storage(root: Path, node_local: bool) -> Storage:
+    """Probe whether `root` is shared by the hosts, and check it against `node_local` (the config's
+    checkpoint.use_node_local_storage) on every rank before anything is written."""
+    layout = node_layout()
+    if len(layout.nodes) == 1:
+        return Storage(layout, False)
+    rank = comm.get_rank()
+    node = layout.node_of(rank)
+    mine = torch.tensor([int.from_bytes(os.urandom(7), "little")], device=comm.device_for_backend())  # not torch's RNG
+    nonce = int(comm.all_gather_rows(mine)[0])  # rank 0's
+    probe = root / f".zerodp_probe_{nonce}_{node}" if rank == layout.nodes[node][0] else None
+
+    def write_probe() -> None:
+        if probe is not None:
+            root.mkdir(parents=True, exist_ok=True)
+            probe.touch()
+
+    on_every_rank(write_probe)
+    seen = [k for k in range(len(layout.nodes)) if (root / f".zerodp_probe_{nonce}_{k}").exists()]
+    reports = comm.gather_messages(",".join(map(str, seen)) if probe is not None else None,
+                                   max_bytes=8 * len(layout.nodes) + 8)
+    sees = {layout.node_of(r): [int(k) for k in text.split(",") if k] for r, text in enumerate(reports) if text is not None}
+    storage = Storage(layout, node_local and not all(len(seen) == len(layout.nodes) for seen in sees.values()), probe)
+    problem = _storage_problem(root, layout, sees, node_local)
+    if problem:  # every rank has the same reports, so every rank raises it
+        on_every_rank(storage.clean_up_probe)
+        raise CheckpointError(problem)
+    if node_local and not storage.node_local:
+        log_rank0("checkpoint.use_node_local_storage is set, but every host sees %s: saving it once, shared", root)
+    return storage
+
+
+def _storage_problem(root: Path, layout: NodeLayout, sees: dict[int, list[int]], node_local: bool) -> str | None:
+    """Why `root` cannot take this save: `sees[k]` lists the hosts whose probe host k found there."""
+    num_nodes = len(layout.nodes)
+    if all(len(seen) == num_nodes for seen in sees.values()):
+        return None  # one shared directory: fine with or without the key
+    if all(seen == [k] for k, seen in sees.items()):
+        if node_local:
+            return None
+        lacking = next(k for k, seen in sees.items() if 0 not in seen)
+        return (f"{root} is not shared by the hosts: {layout.describe(lacking)} does not see what "
+                f"{layout.describe(0)} writes there. Save to a directory every host mounts, or set "
+                "checkpoint.use_node_local_storage: true to have each host keep its own ranks' files "
+                "(`zerodp ckpt gather` reassembles them into one checkpoint)")
+    groups = sorted({tuple(seen) for seen in sees.values()})
+    return (f"{root} is shared by some hosts but not all (hosts that see each other's files: "
+            f"{[[layout.names[k] for k in g] for g in groups]}): a checkpoint needs one directory every host "
+            "shares, or (checkpoint.use_node_local_storage) one directory per host")
+
+
+def _make_empty(tmp: Path, storage: Storage) -> None:
+    storage.clean_up_probe()  # every host has looked
     shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
     tmp.mkdir(parents=True)
 
@@ -79,11 +167,12 @@ def _check_tag_on_all_ranks(tag: str, policy: str) -> None:
     logger.warning(message)
 
 
-def _write_files(engine: Any, tmp: Path, rank: int, world: int, client_state: dict,
+def _write_files(engine: Any, tmp: Path, rank: int, world: int, leads: bool, client_state: dict,
                  extra: dict) -> list[tuple[str, int]]:
-    """This rank's shard files and RNG file; rank 0 also engine.pt. Returns (name, pieces in it)."""
+    """This rank's shard files and RNG file; a leader (rank 0, or each host's first rank when
+    node-local) also engine.pt. Returns (name, pieces in it)."""
     files = _write_rank_files(engine, tmp, rank, world)
-    if rank == 0:
+    if leads:
         torch_save_synced(_engine_state(engine, client_state, extra), tmp / ENGINE)
         files.append((ENGINE, 0))
     return files
@@ -219,8 +308,8 @@ def _digest_row(tmp: Path, own: list[tuple[str, int]]) -> list[int]:
     return row
 
 
-def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, save_latest: bool) -> None:
-    """Rank 0: meta.json, then the renames that make the checkpoint visible (see [Note: crash safety])."""
+def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, storage: Storage) -> None:
+    """A leader: meta.json, then the rename that makes the checkpoint visible (see [Note: crash safety])."""
     strategy, world = engine.strategy, comm.get_world_size()
     for r in range(world):
         index = strategy.piece_index(r)  # in file order: each part holds the next num_pieces of it
@@ -237,7 +326,12 @@ def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, save_l
         "params": _trainable_shapes(engine),
         "tied": tied_names(engine.module),
         "files": digests,
+        "global_steps": engine.global_steps,
     }
+    if storage.node_local:
+        meta["nodes"] = [{"host": name, "ranks": list(ranks), "files": [ENGINE, *sorted(
+            n for n in digests if n != ENGINE and file_rank(n) in ranks)]}
+            for name, ranks in zip(storage.layout.names, storage.layout.nodes)]
     fsync_write(tmp / META, json.dumps(meta, indent=1).encode())
     fsync_dir(tmp)
     final = root / tag
@@ -250,10 +344,6 @@ def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, save_l
     else:
         tmp.rename(final)
     fsync_dir(root)
-    if save_latest:
-        fsync_write(root / f"{LATEST}.tmp", tag.encode())
-        (root / f"{LATEST}.tmp").rename(root / LATEST)
-        fsync_dir(root)
 
 
 def tied_names(module: torch.nn.Module) -> dict[str, str]:
