@@ -384,10 +384,33 @@ def test_removed_top_level_keys(key: str) -> None:
     assert "delete" in problem or "instead" in problem
 
 
-@pytest.mark.parametrize("key", ["mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param"])
-def test_removed_zero_keys(key: str) -> None:
-    problem = one_problem({TRAIN: 1, "zero_optimization": {"stage": 3, key: 8}})
-    assert problem.startswith(f"zero_optimization.{key}: DeepSpeed 0.19 removed this key (")
+def test_removed_zero_keys() -> None:
+    problem = one_problem({TRAIN: 1, "zero_optimization": {"stage": 3, "zeropp_loco_param": 8}})
+    assert problem.startswith("zero_optimization.zeropp_loco_param: DeepSpeed 0.19 removed this key (")
+
+
+@pytest.mark.parametrize("zero,world,message", [
+    ({"stage": 2, "mics_shard_size": 2}, 4, "mics_shard_size: 2 partitions ZeRO stage 3 hierarchically; it needs "
+                                            "zero_optimization.stage 3 (it is 2)"),
+    ({"stage": 3, "zero_hpz_partition_size": 3}, 4, "zero_hpz_partition_size: 3 does not divide the data-parallel "
+                                                    "world size (4); use the ranks per node, one of [2, 4]"),
+    ({"stage": 3, "mics_shard_size": 8}, 1, "mics_shard_size: 8 does not divide the data-parallel world size (1); "
+                                            "use the ranks per node (zerodp config check: give --world-size)"),
+    ({"stage": 3, "zero_hpz_partition_size": 2, "mics_shard_size": 2}, 4, "both are set"),
+    ({"stage": 3, "mics_shard_size": 2, "offload_param": {"device": "cpu"}}, 4,
+     "hierarchical partitioning of offloaded parameters is not implemented"),
+    ({"stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}, 4,
+     "MiCS's two-hop parameter gather is not implemented"),
+])
+def test_hierarchical_partitioning_is_checked_against_the_stage_and_the_world(zero: dict, world: int,
+                                                                               message: str) -> None:
+    from zerodp.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, world_size=world)
+    for ok_zero in ({"stage": 3, "mics_shard_size": 2}, {"stage": 3, "zero_hpz_partition_size": 2},
+                    {"stage": 3, "mics_shard_size": -1, "zero_hpz_partition_size": 1}):
+        load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": ok_zero}, world_size=4)
 
 
 def test_amp_removal_says_what_to_use() -> None:
@@ -541,7 +564,8 @@ def test_rule_still_runs_when_an_unrelated_key_of_its_section_fails() -> None:
     ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
      "zero_optimization.zero_quantized_nontrainable_weights"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
-    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
+    ({"zero_optimization": {"stage": 3, "mics_hierarchical_params_gather": True}},
+     "zero_optimization.mics_hierarchical_params_gather"),
     ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow"),
     ({"pipeline": {"stages": 2}}, "pipeline.stages"),
     ({"pipeline": {"activation_checkpoint_interval": 1}}, "pipeline.activation_checkpoint_interval"),

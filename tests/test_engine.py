@@ -246,7 +246,7 @@ def test_sharded_fp32_ledgers_are_design_formulas_exactly(stage: int, world: int
         reduced = ops["reduce_scatter[float32]"]["numel"] if stage == 1 else ops["reduce[float32]"]["numel"]
         assert reduced == (padded if stage == 1 else numel)
         assert ops["all_gather[float32]"]["numel"] == padded
-        assert ops["all_reduce[float32]"] == {"calls": 1, "numel": 4, "bytes": 16}
+        assert ops["all_reduce[float32]"] == {"calls": 1, "numel": 4, "bytes": 16, "link_bytes": {"intra_node": 16}}
         assert comms["last_step"]["total_numel"] == reduced + padded + 4
 
 

@@ -18,6 +18,7 @@ from zerodp.optim import NoOptimizer, forward_only_reason, optimizer_factory, pa
 from zerodp.precision import DtypePolicy
 from zerodp.zero import strategy_class
 from zerodp.zero.units import full_numel
+from zerodp.zero.topology import node_layout
 
 
 def initialize(
@@ -74,6 +75,8 @@ def initialize(
     make_optimizer = (lambda _: NoOptimizer(forward_only)) if forward_only else \
         optimizer_factory(optimizer, cfg.optimizer, optimizer_device)
     _check_ranks_agree(model, cfg, device)
+    nodes = node_layout()  # the comm ledger counts intra- and inter-node bytes apart
+    comm.set_node_layout([nodes.node_of(r) for r in range(comm.get_world_size())])
     strategy = strategy_cls(cfg, policy, device)
     strategy.wrap(model, groups, make_optimizer)
     _warn_if_slow_offloaded_optimizer(strategy)

@@ -36,6 +36,10 @@ DEFAULT_TIMEOUT_S = 600.0
 _TRAFFIC_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "reduce": 1, "all_gather": 1, "broadcast": 1}
 
 
+INTRA_NODE, INTER_NODE = "intra_node", "inter_node"
+"""The two links a collective's bytes are counted on: its group lies within one node, or spans nodes."""
+
+
 @dataclass
 class CommRecord:
     """Totals for one (op, dtype) pair."""
@@ -43,6 +47,8 @@ class CommRecord:
     calls: int = 0
     numel: int = 0  # elements counted with the op's traffic factor
     bytes: int = 0
+    # the same bytes by link (see `link_of`): a group within one node counts intra-node, else inter-node
+    link_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,14 +74,17 @@ class CommLedger:
         finally:
             self._outside_step = False
 
-    def record(self, op: str, tensor: torch.Tensor) -> None:
-        """Count one collective of `op` on `tensor` (input for reduce ops, output for gathers)."""
+    def record(self, op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+        """Count one collective of `op` on `tensor` (input for reduce ops, output for gathers) over
+        `group` (None: every rank)."""
         records = self.one_off if self._outside_step else self.current
         entry = records[(op, str(tensor.dtype).removeprefix("torch."))]
         entry.calls += 1
         numel = tensor.numel() * _TRAFFIC_FACTOR[op]
         entry.numel += numel
         entry.bytes += numel * tensor.element_size()
+        link = link_of(group)
+        entry.link_bytes[link] = entry.link_bytes.get(link, 0) + numel * tensor.element_size()
 
     def end_init(self) -> None:
         """Close the start-up phase (parameter broadcast, rank checks)."""
@@ -93,13 +102,46 @@ ledger = CommLedger()
 
 
 def comm_report(records: dict[tuple[str, str], CommRecord]) -> dict:
-    """Plain-data view of a ledger phase: per op/dtype calls, elements and bytes, plus totals."""
-    ops = {f"{op}[{dtype}]": vars(rec).copy() for (op, dtype), rec in sorted(records.items())}
+    """Plain-data view of a ledger phase: per op/dtype calls, elements and bytes (and bytes by link),
+    plus totals, and `link_bytes`: {"intra_node": bytes, "inter_node": bytes} of every op together."""
+    ops = {f"{op}[{dtype}]": {**vars(rec), "link_bytes": dict(rec.link_bytes)} for (op, dtype), rec in sorted(records.items())}
     return {
         "ops": ops,
         "total_numel": sum(r.numel for r in records.values()),
         "total_bytes": sum(r.bytes for r in records.values()),
+        "link_bytes": {link: sum(r.link_bytes.get(link, 0) for r in records.values()) for link in (INTRA_NODE, INTER_NODE)},
     }
+
+
+# [Note: links]
+# Which collectives cross machines is what hierarchical partitioning (hpZ, MiCS) changes, so the
+# ledger counts each collective's bytes on one of two links: intra-node when every rank of its group
+# runs on one node, inter-node when the group spans nodes (then the whole volume is counted there: a
+# ring over 2 nodes moves only part of it between them, but the bytes and the time both follow the
+# slowest link). The node of each rank comes from `set_node_layout` (the engine gathers it at start);
+# until then every group counts as intra-node.
+
+_node_of_rank: tuple[int, ...] | None = None
+_link_of_group: dict[Any, str] = {}
+
+
+def set_node_layout(node_of_rank: list[int]) -> None:
+    """Tell the ledger which node each global rank runs on (see [Note: links])."""
+    global _node_of_rank
+    _node_of_rank = tuple(node_of_rank)
+    _link_of_group.clear()
+
+
+def link_of(group: dist.ProcessGroup | None) -> str:
+    """INTRA_NODE when every rank of `group` (None: all) is on one node, else INTER_NODE."""
+    if _node_of_rank is None:
+        return INTRA_NODE
+    link = _link_of_group.get(group)
+    if link is None:
+        ranks = range(len(_node_of_rank)) if group is None else dist.get_process_group_ranks(group)
+        link = INTRA_NODE if len({_node_of_rank[r] for r in ranks}) == 1 else INTER_NODE
+        _link_of_group[group] = link
+    return link
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +377,7 @@ def all_reduce(
     async_op: bool = False,
 ) -> Pending | None:
     """In-place all-reduce of `tensor` over `group`."""
-    ledger.record("all_reduce", tensor)
+    ledger.record("all_reduce", tensor, group)
     with _naming_lost_peers():
         return _pending(dist.all_reduce(_handed_over(tensor), op=op, group=group, async_op=async_op))
 
@@ -347,14 +389,14 @@ def reduce(
     async_op: bool = False,
 ) -> Pending | None:
     """Sum `tensor` over ranks into global rank `dst`'s copy (one owner's piece of a reduce-scatter)."""
-    ledger.record("reduce", tensor)
+    ledger.record("reduce", tensor, group)
     with _naming_lost_peers():
         return _pending(dist.reduce(_handed_over(tensor), dst=dst, group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
     """In-place broadcast of `tensor` from global rank `src`."""
-    ledger.record("broadcast", tensor)
+    ledger.record("broadcast", tensor, group)
     with _naming_lost_peers():
         dist.broadcast(_handed_over(tensor), src=src, group=group)
 
@@ -369,7 +411,7 @@ def all_gather_into_tensor(
     be this rank's chunk of `output` (in place, as NCCL allows).
 
     On gloo, one broadcast per rank (see [Note: gloo collectives])."""
-    ledger.record("all_gather", output)
+    ledger.record("all_gather", output, group)
     if not _is_gloo(group):
         with _naming_lost_peers():
             return _pending(_all_gather_single(_handed_over(output), _handed_over(input), group=group,
@@ -393,7 +435,7 @@ def reduce_scatter_tensor(
     """Reduce `input` over ranks and keep this rank's slice in `output`.
 
     On gloo, one reduce per owner (see [Note: gloo collectives]); `input` is scratch afterwards."""
-    ledger.record("reduce_scatter", input)
+    ledger.record("reduce_scatter", input, group)
     if not _is_gloo(group):
         with _naming_lost_peers():
             return _pending(_reduce_scatter_single(_handed_over(output), _handed_over(input), op=op, group=group,
@@ -469,6 +511,12 @@ def on_every_rank(work: Callable[[], Any]) -> Any:
         error_type, _, detail = text.partition("\0")
         raise PeerFailed(rank, error_type, detail)
     return result
+
+
+def new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group of `ranks` (global ranks). Every rank must call it, for every group, in the
+    same order (torch's rule), also ranks that are not in `ranks`."""
+    return dist.new_group(ranks=ranks, timeout=collective_timeout())
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:

@@ -62,7 +62,7 @@ from zerodp.config_schema import (
 )
 from zerodp.config_hparams import optimizer_section_problems, scheduler_section_problems
 from zerodp.config_keys import not_implemented_problems, warn_keys_without_effect
-from zerodp.config_rules import did_you_mean, semantic_problems, show_value
+from zerodp.config_rules import did_you_mean, hierarchy_problems, semantic_problems, show_value
 from zerodp.log import warn_once
 
 __all__ = [
@@ -820,6 +820,8 @@ def load_config(config: Any = None, *, args: Any = None, world_size: int | None 
         batch, batch_issues = batch_problems(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                                              cfg.gradient_accumulation_steps, ws, ws_source)
         report.problems.extend(batch_issues)
+    if ws is not None and report.usable("zero_optimization"):
+        report.problems.extend(hierarchy_problems(cfg, ws))
     if report.problems or batch is None:
         raise ConfigError(report.problems or ["batch sizes could not be resolved"], source)
     warn_keys_without_effect(cfg)

@@ -27,7 +27,8 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
     "zero_optimization.zero_quantized_weights": (False, _ZEROPP),
     "zero_optimization.zero_quantized_nontrainable_weights": (False, _ZEROPP),
     "zero_optimization.zero_quantized_gradients": (False, _ZEROPP),
-    "zero_optimization.zero_hpz_partition_size": ((1, 0), "ZeRO++ hierarchical partitioning (hpZ) is not implemented"),
+    "zero_optimization.mics_hierarchical_params_gather": (False, "MiCS's two-hop parameter gather is not "
+                                                                 "implemented: gathers stay inside the shard group"),
     "zero_optimization.zenflow": (None, "ZenFlow's stale-gradient CPU update is not implemented"),
     "zero_optimization.offload_optimizer.super_offload": (False, _SUPER),
     "zero_optimization.offload_optimizer.ratio": (1.0, "partial offload (ratio < 1) is not implemented: everything "

@@ -109,6 +109,30 @@ def _misc_rules(cfg: ZeroDPConfig) -> list[str]:
     return problems
 
 
+def hierarchy_problems(cfg: ZeroDPConfig, world_size: int) -> list[str]:
+    """zero_hpz_partition_size (ZeRO++ hpZ) and mics_shard_size (MiCS) against the stage and the
+    data-parallel world size (zero/topology.py builds their groups)."""
+    zero, where, problems = cfg.zero_optimization, "zero_optimization", []
+    sizes = {key: size for key, size in (("zero_hpz_partition_size", zero.zero_hpz_partition_size),
+                                          ("mics_shard_size", zero.mics_shard_size)) if size > 1}
+    if len(sizes) == 2:
+        problems.append(f"{where}.zero_hpz_partition_size, {where}.mics_shard_size: both are set; hpZ keeps a "
+                        "secondary copy of the parameters per node, MiCS shards everything per group: choose one")
+    for key, size in sizes.items():
+        if zero.stage != 3:
+            problems.append(f"{where}.{key}: {size} partitions ZeRO stage 3 hierarchically; it needs "
+                            f"{where}.stage 3 (it is {zero.stage})")
+        elif world_size % size:
+            divisors = [d for d in range(2, world_size + 1) if world_size % d == 0]
+            problems.append(f"{where}.{key}: {size} does not divide the data-parallel world size ({world_size}); "
+                            "use the ranks per node" + (f", one of {divisors}" if size < world_size else
+                                                        " (zerodp config check: give --world-size)"))
+        elif zero.offload_param is not None and zero.offload_param.device != "none":
+            problems.append(f"{where}.{key} with {where}.offload_param: hierarchical partitioning of offloaded "
+                            "parameters is not implemented; drop one of them")
+    return problems
+
+
 # Each rule with the key paths it reads: a rule is skipped when one of them failed validation.
 _RULES: tuple[tuple[tuple[str, ...], Callable[[ZeroDPConfig], list[str]]], ...] = (
     (("fp16.enabled", "bf16.enabled"), _one_precision),

@@ -237,8 +237,6 @@ class ZeroConfig(Section):
         "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     }
     removed_keys: ClassVar[dict[str, tuple[str, str]]] = {
-        "mics_shard_size": ("MiCS", "delete the key; zerodp shards over the whole data-parallel group"),
-        "mics_hierarchical_params_gather": ("MiCS", "delete the key"),
         "zeropp_loco_param": ("LoCo-ZeRO++", "delete the key"),
     }
 
@@ -287,8 +285,12 @@ class ZeroConfig(Section):
     legacy_stage1: bool = False  # DeepSpeed raises if true; so does load_config
     round_robin_gradients: bool = False
     parameter_alignment: bool = False
-    # ZeRO++ (hpZ, qwZ, qgZ): accepted at these defaults only (see zerodp.config).
+    # hierarchical partitioning at stage 3 (zero/topology.py): ZeRO++ hpZ, and MiCS (which DeepSpeed
+    # 0.19 removed; zerodp keeps its meaning). 1 / 0 / -1: off. load_config checks them against the world.
     zero_hpz_partition_size: Int = Field(1, ge=0)
+    mics_shard_size: Int = Field(-1, ge=-1)
+    mics_hierarchical_params_gather: bool = False
+    # ZeRO++ quantization (qwZ, qgZ): accepted at these defaults only (see zerodp.config).
     zero_quantized_weights: bool = False
     zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False

@@ -25,13 +25,15 @@ class Category(str, Enum):
     GRAD = "grad"  # gradient accumulation buffers
     OPTIM_STATE = "optim_state"  # optimizer state (Adam's exp_avg, exp_avg_sq, step)
     BUFFER = "buffer"  # module buffers (running stats, position ids)
+    PARAM_SECONDARY = "param_secondary"  # hpZ: this rank's secondary partition of the working parameters
 
 
 DEVICE, CPU, NVME = "device", "cpu", "nvme"
 """Memory tiers: the device the model trains on (a GPU, or the CPU on a CPU-only machine), host
 memory used to offload from it, and files on NVMe."""
 
-MODEL_STATE_CATEGORIES = (Category.PARAM16, Category.PARAM32_MASTER, Category.GRAD, Category.OPTIM_STATE)
+MODEL_STATE_CATEGORIES = (Category.PARAM16, Category.PARAM32_MASTER, Category.GRAD, Category.OPTIM_STATE,
+                          Category.PARAM_SECONDARY)
 
 
 def nbytes(tensor: torch.Tensor) -> int:

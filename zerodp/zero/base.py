@@ -218,9 +218,11 @@ class Strategy(abc.ABC):
         """Every long-lived byte this strategy holds, by category and tier, plus transient peaks."""
 
 
-def sum_over_ranks_grad_stats(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """[sum of squares of all `grads`, number of ranks whose grads hold inf/nan], summed over ranks
-    in one 2-element all-reduce, so every rank takes the same decision (sharded stages).
+def sum_over_ranks_grad_stats(grads: list[torch.Tensor], device: torch.device,
+                              group: object | None = None) -> torch.Tensor:
+    """[sum of squares of all `grads`, number of ranks whose grads hold inf/nan], summed over the
+    ranks of `group` (None: all; the ranks that together hold every gradient once) in one 2-element
+    all-reduce, so every rank takes the same decision (sharded stages).
 
     An inf or nan element makes the fp32 sum of squares inf or nan, so one pass over the gradients
     answers both (a separate isfinite pass doubled the cost: 3.5 s a step for 0.93B bf16 gradients on
@@ -232,8 +234,8 @@ def sum_over_ranks_grad_stats(grads: list[torch.Tensor], device: torch.device) -
     else:
         stats = torch.zeros(2)
     stats = stats.to(device)  # offloaded grads are on the host; NCCL reduces device tensors
-    if comm.get_world_size() > 1:
-        comm.all_reduce(stats)
+    if comm.get_world_size(group) > 1:
+        comm.all_reduce(stats, group=group)
     return stats
 
 

@@ -74,6 +74,7 @@ from zerodp.zero.stage12 import MAX_BUCKETS_IN_FLIGHT, check_elementwise
 FULL_WEIGHTS_HINT = ('Set "zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to gather full '
                      "weights on rank 0 (which needs host memory for the whole model; every rank must call), or use "
                      "engine.save_checkpoint() and `zerodp ckpt convert` for a consolidated copy")
+from zerodp.zero.topology import stage3_partition
 from zerodp.zero.trace import UnitTrace
 from zerodp.zero.units import FlatShard, Unit, UnitState, mark_leaf_modules_from_config, plan_units
 
@@ -103,6 +104,7 @@ class Stage3(Strategy):
         self.sanity_checks = zero.enable_sanity_checks or comm.backend() == "gloo"
         trainable_in_registration_order(module, param_groups)  # every optimizer param is the model's
         self.names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
+        self.partition = stage3_partition(int(zero.mics_shard_size), int(zero.zero_hpz_partition_size))
         self.optim_store = swap_store(zero.offload_optimizer, OPTIMIZER_NVME_PATH_KEY, self.config.aio)
         self.param_store = swap_store(zero.offload_param, PARAM_NVME_PATH_KEY, self.config.aio)
         self._param_numel_in_cpu = 0  # offload_param nvme: shard elements kept in host memory so far
@@ -144,7 +146,7 @@ class Stage3(Strategy):
             for p in params:
                 if not is_partitioned(p):
                     p.ds_shape, p.ds_numel = p.shape, p.numel()
-            unit = Unit(index, name, m, params, self.rank, self.num_ranks, self.policy.param_dtype, self.device,
+            unit = Unit(index, name, m, params, self.partition, self.policy.param_dtype, self.device,
                         persistent, shard_device=self.param_home.device, offloaded=self.param_home.offload,
                         trains=self.group_of.__contains__)
             self._fill_from_rank0(unit)
@@ -414,15 +416,17 @@ class Stage3(Strategy):
         if self.num_ranks == 1:
             Home.accumulate(unit.owned_grad, buffer)
             return
-        buffer.mul_(1.0 / self.num_ranks)  # mean, divided before the sum as DDP does
+        buffer.mul_(1.0 / self.num_ranks)  # mean over every rank, divided before the sum as DDP does
         out = torch.empty(f.layout.shard_numel, dtype=buffer.dtype, device=buffer.device)
-        self.in_flight.append((unit, out, comm.reduce_scatter_tensor(out, buffer, async_op=True)))
+        self.in_flight.append((unit, out, comm.reduce_scatter_tensor(out, buffer, group=unit.group, async_op=True)))
         if len(self.in_flight) > MAX_BUCKETS_IN_FLIGHT:
             self._finish_reduce()
 
     def _finish_reduce(self) -> None:
         unit, out, work = self.in_flight.pop(0)
         work.wait()
+        if self.partition.num_replicas > 1:  # MiCS: then across the groups holding the same shard
+            comm.all_reduce(out, group=self.partition.replica_group)
         Home.accumulate(unit.owned_grad, out)  # to the host first when the optimizer is offloaded
 
     def after_backward(self, boundary: bool) -> None:
@@ -497,7 +501,9 @@ class Stage3(Strategy):
 
     def _global_stats(self) -> torch.Tensor:
         if self._stats is None:
-            self._stats = sum_over_ranks_grad_stats([u.owned_grad for u in self._trainable()], self.device)
+            # MiCS: one shard group holds every gradient once (its replicas hold the same)
+            self._stats = sum_over_ranks_grad_stats([u.owned_grad for u in self._trainable()], self.device,
+                                                    self.partition.shard_group)
         return self._stats
 
     def found_overflow(self) -> bool:
@@ -547,6 +553,7 @@ class Stage3(Strategy):
         (at most SHARD_WRITES_IN_FLIGHT resident); `_finish_shard_writes` waits for the rest."""
         for unit in units:
             f = unit.trainable
+            unit.invalidate_secondary()
             if f.slot is not None:
                 f.slot.allocate_storage()
                 Home.publish(f.shard, unit.master)
@@ -555,8 +562,8 @@ class Stage3(Strategy):
                     self._shard_writes.pop(0).wait()
             else:
                 Home.publish(f.shard, unit.master)
-            if unit.keeps_full and self.num_ranks > 1:
-                comm.all_gather_into_tensor(f.full, f.shard)
+            if unit.keeps_full and unit.num_ranks > 1:
+                comm.all_gather_into_tensor(f.full, f.shard, group=unit.group)
 
     def _finish_shard_writes(self) -> None:
         while self._shard_writes:
@@ -572,6 +579,8 @@ class Stage3(Strategy):
     # --- checkpoints -------------------------------------------------------------------------------------
 
     def pieces(self, saving: bool) -> list[Piece]:
+        if saving and self.partition.replica_index > 0:  # MiCS: the first replica saves the shards
+            return []
         return [piece for unit in self._trainable() for piece in self._unit_pieces(unit)]
 
     def _unit_pieces(self, unit: Unit) -> list[Piece]:
@@ -598,6 +607,9 @@ class Stage3(Strategy):
         return {k: v for k, v in stores.items() if v is not None}
 
     def piece_index(self, rank: int) -> list[tuple[str, int, int]]:
+        size = self.partition.shard_size
+        if rank >= size:  # MiCS: a replica of rank % size's shards, saved by the first replica only
+            return []
         return [(self.names[u.trainable.params[s.index]], s.param_offset, s.numel) for u in self._trainable()
                 for s in u.trainable.layout.slices_in(*u.trainable.layout.owned_range(rank))]
 
@@ -677,6 +689,7 @@ class Stage3(Strategy):
             if p is None:
                 continue
             unit = self.unit_of[p]
+            unit.invalidate_secondary()  # hpZ: the next gather goes over all ranks
             f = next(f for f in unit.flats if any(q is p for q in f.params))
             offset = f.layout.offsets[next(i for i, q in enumerate(f.params) if q is p)]
             flat_value = value.reshape(-1).to(f.shard.dtype)
@@ -701,6 +714,8 @@ class Stage3(Strategy):
                     led.add_bytes(category, NVME, f.slot.num_bytes)
                 else:
                     led.add(category, *((f.full, DEVICE) if f.keep_full else (f.shard, self.param_home.tier)))
+                if f.secondary is not None:
+                    led.add(Category.PARAM_SECONDARY, f.secondary, DEVICE)
             if unit.master is not None and unit.master is not unit.trainable.shard and self.swapper is None:
                 led.add(Category.PARAM32_MASTER, unit.master, self.home.tier)
             if unit.owned_grad is not None:

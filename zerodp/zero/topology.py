@@ -57,3 +57,70 @@ def node_layout() -> NodeLayout:
     names = comm.gather_messages(node_name(), max_bytes=256) if comm.get_world_size() > 1 else [node_name()]
     groups = ranks_by_node([name or "" for name in names])
     return NodeLayout(tuple(map(tuple, groups)), tuple(names[ranks[0]] or "" for ranks in groups))
+
+
+# ---------------------------------------------------------------------------------------------
+# hierarchical partitioning at stage 3 (see [Note: hierarchical partitioning])
+
+# [Note: hierarchical partitioning]
+# Flat stage 3 shards every unit over all N ranks, so each of its three collectives per step
+# (all-gather in forward and in backward, reduce-scatter of the gradients) spans every node.
+# - MiCS (`mics_shard_size` = S, FSDP2's HSDP): parameters, gradients and optimizer state are sharded
+#   over groups of S consecutive ranks (ideally one node) and replicated across the N/S groups. The
+#   all-gathers stay inside the group; gradients are reduce-scattered inside it, then all-reduced
+#   across the replicas (ranks with the same position in each group). Memory per rank is that of
+#   stage 3 at S ranks; the inter-node link carries only the all-reduce of a 1/S gradient shard.
+# - hpZ (`zero_hpz_partition_size` = S, ZeRO++): everything stays sharded over all N ranks (memory
+#   of flat stage 3), and each rank also keeps a secondary copy of its 1/S of every unit's 16-bit
+#   parameters, taken from the forward's all-gather over all ranks. Until the next optimizer step the
+#   parameters do not change, so every later gather of the unit (backward, recomputation, the next
+#   micro-batch's forward) all-gathers from the secondary shards inside the group of S. The
+#   reduce-scatter still spans all ranks.
+
+
+def rank_blocks(num_ranks: int, block_size: int) -> list[list[int]]:
+    """Consecutive blocks of `block_size` ranks: [[0..S-1], [S..2S-1], ...] (S divides num_ranks)."""
+    return [list(range(start, start + block_size)) for start in range(0, num_ranks, block_size)]
+
+
+def rank_strides(num_ranks: int, block_size: int) -> list[list[int]]:
+    """The ranks at the same position of every block: [[0, S, 2S, ...], [1, S+1, ...], ...]."""
+    return [list(range(position, num_ranks, block_size)) for position in range(block_size)]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How stage 3 partitions over the data-parallel ranks (flat, MiCS or hpZ: see [Note:
+    hierarchical partitioning]). Groups are None where they would be every rank or one rank."""
+
+    shard_size: int  # ranks a unit's flat buffers are cut over
+    shard_rank: int  # this rank's position among them
+    shard_group: object | None  # those ranks (None: all)
+    num_replicas: int = 1  # MiCS: groups holding the same shards
+    replica_index: int = 0  # MiCS: which of them this rank is in (0 saves checkpoints)
+    replica_group: object | None = None  # MiCS: the ranks holding this rank's shard
+    secondary_size: int = 1  # hpZ: ranks of the secondary partition (1: none)
+    secondary_rank: int = 0
+    secondary_group: object | None = None
+
+
+def stage3_partition(mics_shard_size: int, hpz_partition_size: int) -> Partition:
+    """Build the process groups of the configured partition (a collective: every rank calls it, with
+    the same sizes; load_config has checked that they divide the world size)."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    if mics_shard_size > 0 and mics_shard_size < world:
+        size = mics_shard_size
+        shard_group = _my_group(rank_blocks(world, size), rank)
+        replica_group = _my_group(rank_strides(world, size), rank)
+        return Partition(size, rank % size, shard_group, world // size, rank // size, replica_group)
+    if hpz_partition_size > 1:
+        size = hpz_partition_size
+        return Partition(world, rank, None, secondary_size=size, secondary_rank=rank % size,
+                         secondary_group=_my_group(rank_blocks(world, size), rank))
+    return Partition(world, rank, None)
+
+
+def _my_group(groups: list[list[int]], rank: int):
+    """Create every group (every rank must create each one) and return the one holding `rank`."""
+    made = [comm.new_group(ranks) for ranks in groups]
+    return next(group for group, ranks in zip(made, groups) if rank in ranks)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass
+from functools import partial
 from enum import Enum
 from typing import Callable
 
@@ -41,6 +42,7 @@ from torch import nn
 from zerodp import comm
 from zerodp.checkpointing import repeated_blocks
 from zerodp.zero.layout import GroupLayout, group_layout
+from zerodp.zero.topology import Partition
 
 
 class UnitState(Enum):
@@ -92,10 +94,17 @@ class FlatShard:
     owns `full[owned]`, kept in `shard`."""
 
     def __init__(self, params: list[nn.Parameter], rank: int, num_ranks: int, dtype: torch.dtype,
-                 device: torch.device, keep_full: bool, shard_device: torch.device | None = None) -> None:
+                 device: torch.device, keep_full: bool, shard_device: torch.device | None = None,
+                 secondary: tuple[int, int] = (0, 1)) -> None:
         self.params = params
         self.layout: GroupLayout = group_layout([p.ds_numel for p in params], num_ranks)
         self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
+        # hpZ: this rank's part (secondary rank, of secondary size) of the full buffer, kept from the last
+        # gather over all ranks: see [Note: hierarchical partitioning] in zero/topology.py
+        secondary_rank, secondary_size = secondary
+        size = self.layout.padded_numel // secondary_size  # the padding to num_ranks is to a multiple of it
+        self.secondary_range = slice(secondary_rank * size, (secondary_rank + 1) * size)
+        self.secondary = torch.empty(size, dtype=dtype, device=device) if secondary_size > 1 and not keep_full else None
         self.views = [self.full[o : o + p.ds_numel].view(p.ds_shape) for p, o in zip(params, self.layout.offsets)]
         start, stop = self.layout.owned_range(rank)
         self.owned = slice(start, stop)
@@ -143,19 +152,25 @@ class FlatShard:
 class Unit:
     """One stage-3 unit: `module`'s parameters in a trainable and a frozen FlatShard."""
 
-    def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter], rank: int,
-                 num_ranks: int, dtype: torch.dtype, device: torch.device, persistent: bool = False,
+    def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter],
+                 partition: Partition, dtype: torch.dtype, device: torch.device, persistent: bool = False,
                  shard_device: torch.device | None = None, offloaded: bool = False,
                  trains: Callable[[nn.Parameter], bool] | None = None) -> None:
         self.index, self.name, self.module, self.persistent = index, name, module, persistent
-        self.num_ranks = num_ranks
+        self.num_ranks = num_ranks = partition.shard_size  # the ranks its flat buffers are cut over
+        self.group = partition.shard_group  # they all-gather over it
+        self.secondary_group = partition.secondary_group  # hpZ: later gathers go over this one
+        self.secondary_valid = False  # hpZ: the secondary shards hold the parameters' current values
         # never released: persistent, or nothing to shard across (1 rank) unless shards are offloaded
         keep_full = persistent or (num_ranks == 1 and not offloaded)
         trains = trains or (lambda p: p.requires_grad)  # the optimizer's parameters (none: forward only)
         trainable = [p for p in params if trains(p)]
         frozen = [p for p in params if not trains(p)]
-        self.trainable = FlatShard(trainable, rank, num_ranks, dtype, device, keep_full, shard_device) if trainable else None
-        self.frozen = FlatShard(frozen, rank, num_ranks, dtype, device, keep_full, shard_device) if frozen else None
+        flat = partial(FlatShard, rank=partition.shard_rank, num_ranks=num_ranks, dtype=dtype, device=device,
+                       keep_full=keep_full, shard_device=shard_device,
+                       secondary=(partition.secondary_rank, partition.secondary_size))
+        self.trainable = flat(trainable) if trainable else None
+        self.frozen = flat(frozen) if frozen else None
         self.flats = [f for f in (self.trainable, self.frozen) if f is not None]
         self.numel = sum(f.layout.padded_numel for f in self.flats)
         self.keeps_full = keep_full or not self.flats  # never released
@@ -184,6 +199,7 @@ class Unit:
             for p, start in zip(f.params, f.layout.offsets):
                 mark_partitioned(p, f.shard[_owned_part(start, p.ds_numel, f.owned)])
         self._enter(UnitState.GATHERED)
+        self._keep_secondary()
         self.point_params_at_full()
         if not self.keeps_full:
             self.release()
@@ -216,9 +232,26 @@ class Unit:
         works = []
         for f in self.flats:
             f.allocate()
+            if self.secondary_valid:  # hpZ: inside the secondary group
+                works.append(comm.all_gather_into_tensor(f.full, f.secondary, group=self.secondary_group, async_op=True))
+                continue
             shard = f.shard if f.shard.device == f.full.device else f.shard.to(f.full.device, non_blocking=True)
-            works.append(comm.all_gather_into_tensor(f.full, shard, async_op=True))
+            works.append(comm.all_gather_into_tensor(f.full, shard, group=self.group, async_op=True))
         return works
+
+    def _keep_secondary(self) -> None:
+        """hpZ, after a gather over all ranks: keep this rank's secondary shards of the values."""
+        if self.secondary_group is None or self.secondary_valid:
+            return
+        with torch.no_grad():
+            for f in self.flats:
+                if f.secondary is not None:
+                    f.secondary.copy_(f.full[f.secondary_range])
+        self.secondary_valid = all(f.secondary is not None for f in self.flats)
+
+    def invalidate_secondary(self) -> None:
+        """The shards changed (an optimizer step, a load): the next gather goes over all ranks."""
+        self.secondary_valid = False
 
     def finish_gather(self) -> None:
         """GATHERING -> GATHERED: wait, then make the parameters views of the full buffers."""
@@ -229,6 +262,7 @@ class Unit:
         for work in self._works:
             work.wait()
         self._works = []
+        self._keep_secondary()
         self._evict_swapped_shards()
         self.point_params_at_full()
         self._enter(UnitState.GATHERED)
@@ -288,8 +322,9 @@ class Unit:
         rank's shards and fp32 master (GatheredParameters(modifier_rank=src))."""
         if self.state is not UnitState.GATHERED:
             raise AssertionError(f"rank {comm.get_rank()}: take_values_from on {self.name} in state {self.state}")
+        self.invalidate_secondary()
         for f in self.flats:
-            if self.num_ranks > 1:
+            if comm.get_world_size() > 1:  # every rank holds the gathered unit
                 comm.broadcast(f.full, src=src)
             if not f.keep_full:
                 with f.shard_resident(modify=True, overwrite=True):
@@ -297,6 +332,7 @@ class Unit:
         if self.master is not None and self.master is not self.trainable.shard:
             with self.master_resident():  # from the gathered buffer: a shard on NVMe is evicted again by now
                 self.master.copy_(self.trainable.full[self.trainable.owned])
+        self._keep_secondary()
 
     def held_full_bytes(self) -> int:
         """Bytes of gathered full buffers this unit holds now (0 while SHARDED)."""
