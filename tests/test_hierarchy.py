@@ -20,6 +20,7 @@ from tests.test_stage3 import LOOSE, _adamw, _config, _ddp, _unit_numels, _zerod
 
 STEPS, GAS = 3, 2
 FLAT, HPZ, MICS = {}, {"zero_hpz_partition_size": 2}, {"mics_shard_size": 2}
+MICS_OFFLOAD = {**MICS, "offload_optimizer": {"device": "cpu"}}  # gradient shards on the host
 
 
 def _always(step: int, micro: int) -> bool:
@@ -40,7 +41,8 @@ def _train(rank: int, world: int, zero: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    return {name: run_ranks(_train, 4, args=(zero,)) for name, zero in (("flat", FLAT), ("hpz", HPZ), ("mics", MICS))}
+    return {name: run_ranks(_train, 4, args=(zero,))
+            for name, zero in (("flat", FLAT), ("hpz", HPZ), ("mics", MICS), ("mics_offload", MICS_OFFLOAD))}
 
 
 def test_hpz_is_bitwise_flat_stage_3_and_mics_agrees_to_rounding_and_both_match_ddp(runs: dict) -> None:
@@ -50,6 +52,7 @@ def test_hpz_is_bitwise_flat_stage_3_and_mics_agrees_to_rounding_and_both_match_
         assert hpz["params"].keys() == mics["params"].keys() == flat["params"].keys()
         assert all(torch.equal(hpz["params"][n], t) for n, t in flat["params"].items())
         assert mics["losses"] == pytest.approx(flat["losses"], rel=1e-6)
+        assert runs["mics_offload"][rank]["losses"] == pytest.approx(mics["losses"], rel=1e-6)
         for n, t in flat["params"].items():
             torch.testing.assert_close(mics["params"][n], t, rtol=1e-5, atol=1e-6)
         for run in (flat, hpz, mics):
@@ -81,11 +84,14 @@ def test_each_link_carries_the_bytes_of_the_formulas(runs: dict) -> None:
         assert hpz == {"all_gather[float32]": {"inter_node": f32 * (R + B), "intra_node": f32 * (R + 3 * B)},
                        "reduce_scatter[float32]": {"inter_node": f32 * GAS * (R + B)},
                        "all_reduce[float32]": {"inter_node": f32 * 4}}
-        # MiCS: gathers and reduce-scatters inside the node; across nodes, the all-reduce of each
-        # reduced gradient shard (half a unit, counted 2x) and nothing else
+        # MiCS: gathers and reduce-scatters inside the node; across nodes, once per step, the all-reduce of
+        # each unit's accumulated gradient shard (half a unit, counted 2x) and nothing else
         assert mics == {"all_gather[float32]": {"intra_node": f32 * GAS * (R + 2 * B)},
                         "reduce_scatter[float32]": {"intra_node": f32 * GAS * (R + B)},
-                        "all_reduce[float32]": {"inter_node": f32 * GAS * (R + B), "intra_node": f32 * 4}}
+                        "all_reduce[float32]": {"inter_node": f32 * (R + B), "intra_node": f32 * 4}}
+        # optimizer offloaded: the same here, where the host is the device (on CUDA, where NCCL cannot
+        # reduce the host's gradient shards, each micro-batch's shard is all-reduced on the GPU instead)
+        assert runs["mics_offload"][rank]["bytes"] == mics
 
 
 def test_the_ledger_holds_a_quarter_flat_a_half_mics_and_hpz_adds_the_secondary_half(runs: dict) -> None:

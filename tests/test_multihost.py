@@ -65,8 +65,8 @@ def _on_hosts(on: list[Host], rendezvous: str, *script_args: str, disks: list[tu
     return result
 
 
-def _one_host(num_ranks: int, *script_args: str) -> dict:
-    proc = subprocess.Popen([*ZERODP, "run", "--nproc-per-node", str(num_ranks), SCRIPT, *script_args], env=ENV,
+def _one_host(num_ranks: int, *script_args: str, script: str = SCRIPT) -> dict:
+    proc = subprocess.Popen([*ZERODP, "run", "--nproc-per-node", str(num_ranks), script, *script_args], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     (result,) = [obj for obj in json_objects(_finish([proc])[0]) if "losses" in obj]
     return result
@@ -97,3 +97,51 @@ def test_two_hosts_train_bitwise_as_one_host_and_a_checkpoint_moves_between_them
     resumed = _one_host(4, "--stages", "3", "--steps", "4", "--resume", "--ckpt", str(tmp_path / "b"))
     assert resumed["global_steps"]["3"] == 4
     assert [s + r for s, r in zip(saved["losses"]["3"], resumed["losses"]["3"])] == together["losses"]["3"]
+
+
+ELASTIC = str(REPO / "tests" / "scripts" / "elastic_train.py")
+
+
+def _step(tag: str) -> int:
+    return int(tag.removeprefix("global_step"))
+
+
+def _kill_host(host: Host) -> None:
+    """Every process of the host at once, as when the machine dies (SIGKILL: no clean-up runs)."""
+    pids = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True).stdout.split()
+    subprocess.run(["kill", "-9", *pids], capture_output=True)
+
+
+def test_when_a_host_dies_the_other_restarts_and_finishes_from_the_last_checkpoint(tmp_path: Path) -> None:
+    import time
+
+    ckpt = tmp_path / "elastic"  # shared by both hosts: a dead host's node-local files would be gone with it
+    procs = []
+    with hosts(2) as on:
+        for i, host in enumerate(on):
+            # last_call_timeout: both hosts join the first round even on a busy machine; keep-alives every
+            # second, so the survivor's next round soon stops waiting for the dead host
+            conf = f"is_host={int(i == 0)},last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=2"
+            launch = ["run", "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "1", "--local-addr",
+                      host.address, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{on[0].address}:29614",
+                      "--rdzv-id", "elastic", "--rdzv-conf", conf]
+            procs.append(host.popen([*ZERODP, *launch, ELASTIC, "--ckpt", str(ckpt), "--steps", "8",
+                                     "--step-sleep", "0.3"], ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, cwd=REPO))
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ((ckpt / "latest").exists() and _step((ckpt / "latest").read_text()) >= 3):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                _kill_host(on[0]), _kill_host(on[1])
+                _finish(procs)  # raises with both hosts' output
+            time.sleep(0.05)
+        _kill_host(on[1])  # mid-training: steps 3..8 are left
+        procs[1].communicate(timeout=TIMEOUT_S)
+        (out,) = _finish([procs[0]])
+    (result,) = [obj for obj in json_objects(out) if "losses" in obj]
+    assert result["world"] == 2 and result["restarts"] == 1 and result["global_steps"] == 8
+    assert result["accumulation"] == 2  # train_batch_size 16 kept: 4 x 2 x 2 ranks instead of 4 x 1 x 4
+    assert _step(result["resumed_from"]) >= 3
+    # the same resume, uninterrupted, on one host with 2 ranks: the survivor's losses exactly
+    again = _one_host(2, "--ckpt", str(ckpt), "--tag", result["resumed_from"], "--steps", "8", "--no-save",
+                      script=ELASTIC)
+    assert again["losses"] == result["losses"]

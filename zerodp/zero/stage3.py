@@ -105,6 +105,9 @@ class Stage3(Strategy):
         trainable_in_registration_order(module, param_groups)  # every optimizer param is the model's
         self.names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
         self.partition = stage3_partition(int(zero.mics_shard_size), int(zero.zero_hpz_partition_size))
+        # MiCS: gradient shards are all-reduced across replicas once per step, at the accumulation boundary,
+        # where they are on the device (offloaded to the host, NCCL cannot: then every micro-batch, on the device)
+        self._replicas_at_boundary = self.partition.num_replicas > 1 and self.home.device == self.device
         self.optim_store = swap_store(zero.offload_optimizer, OPTIMIZER_NVME_PATH_KEY, self.config.aio)
         self.param_store = swap_store(zero.offload_param, PARAM_NVME_PATH_KEY, self.config.aio)
         self._param_numel_in_cpu = 0  # offload_param nvme: shard elements kept in host memory so far
@@ -425,7 +428,7 @@ class Stage3(Strategy):
     def _finish_reduce(self) -> None:
         unit, out, work = self.in_flight.pop(0)
         work.wait()
-        if self.partition.num_replicas > 1:  # MiCS: then across the groups holding the same shard
+        if self.partition.num_replicas > 1 and not self._replicas_at_boundary:  # MiCS, offloaded grads
             comm.all_reduce(out, group=self.partition.replica_group)
         Home.accumulate(unit.owned_grad, out)  # to the host first when the optimizer is offloaded
 
@@ -438,6 +441,9 @@ class Stage3(Strategy):
         for unit in self.units:
             unit.release()
             unit.calls_pending = 0
+        if boundary and self._replicas_at_boundary:
+            for unit in self._trainable():  # MiCS: the step's summed shard, once, across the replicas
+                comm.all_reduce(unit.owned_grad, group=self.partition.replica_group)
         self.trace.end("backward")
         if not self.sanity_checks:  # else the per-gather checks have run
             pairing.check_same_order(self.trace, self.units)
