@@ -1,6 +1,10 @@
 """Several hosts for real: network namespaces joined by a bridge (tests/netns.py), zerodp launched on
 each with `zerodp run` over torchrun, gloo's traffic between hosts crossing the veth pairs.
 
+When one of 2 hosts dies mid-run (every process SIGKILLed), the other's torchrun restarts its workers at
+2 ranks (--nnodes 1:2 --max-restarts 1), which resume from the last checkpoint with train_batch_size
+kept and finish as a fresh 2-rank resume from that checkpoint does.
+
 2 hosts x 2 ranks must train as 1 host x 4 ranks does (bitwise in fp32: gloo sums in rank order), with
 torchrun's static rendezvous (--master-addr) and its c10d rendezvous; a checkpoint saved on 2 hosts, each
 on its own disk (checkpoint.use_node_local_storage), gathered, resumes on 1; every host's job exits 0 on

@@ -326,13 +326,28 @@ def init_distributed(
     backend = dist_backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        backend=backend,
-        init_method=init_method,
-        timeout=timeout or collective_timeout(),
-        rank=rank,
-        world_size=world_size,
-    )
+    timeout = timeout or collective_timeout()
+    store = _restarted_elastic_store(timeout) if init_method is None and rank < 0 and world_size < 0 else None
+    if store is not None:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend=backend, init_method=init_method, timeout=timeout, rank=rank,
+                            world_size=world_size, store=store)
+
+
+def _restarted_elastic_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun after a restart (an elastic job lost a host, or a worker failed): the agent's
+    store, under a prefix of its own for this attempt (None otherwise: torch's env:// as usual).
+
+    torchrun's agent keeps one store for the job and hands it to every attempt's workers without a
+    prefix, so the previous attempt's keys are still there: a restarted rank that reads its peers'
+    gloo addresses before they rewrote them gets a dead process's address ("Gloo connectFullMesh
+    failed ... Connection refused"; seen in tests/test_multihost.py's elastic test)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"zerodp/attempt_{attempt}", agent)
 
 
 def is_initialized() -> bool:
