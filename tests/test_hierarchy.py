@@ -124,3 +124,46 @@ def test_checkpoints_move_between_flat_mics_and_hpz_exactly(tmp_path: Path, save
         for n, tensors in saved.items():
             for key, t in tensors.items():
                 assert torch.equal(loaded[n][key], t), (n, key)
+
+
+class _Blocks(torch.nn.Module):
+    """Only repeated blocks: every parameter in a unit released between forward and backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x.square().mean()
+
+
+def _link_bytes_of_blocks(rank: int, world: int, zero: dict) -> dict:
+    import zerodp
+
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    engine, *_ = zerodp.initialize(model=_Blocks(), config=_config(GAS, LOOSE, **zero), optimizer=_adamw)
+    for step in range(2):
+        for micro in range(GAS):
+            engine.backward(engine(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + micro))))
+            engine.step()
+    links: dict[str, int] = {}  # of the float32 collectives (gloo's int64 unit checks before each gather aside)
+    for op, record in engine.comm_report()["last_step"]["ops"].items():
+        for link, n in record["link_bytes"].items():
+            if op.endswith("[float32]"):
+                links[link] = links.get(link, 0) + n
+    return links
+
+
+@pytest.mark.parametrize("mode", ["flat", "hpz", "mics"])
+def test_the_link_formulas_the_planner_uses_are_the_ledger(mode: str) -> None:
+    from zerodp.zero.topology import stage3_link_numel
+
+    numel = 4 * (16 * 16 + 16)  # padded to 4 ranks: already a multiple
+    expected = stage3_link_numel(mode, numel, group_size=2, micro_batches=GAS)
+    norm = 4 * 2 * 2  # the gradient-norm all-reduce: 2 fp32 elements, counted twice; in the shard group
+    expected[{"mics": "intra_node"}.get(mode, "inter_node")] += norm // 4
+    for link_bytes in run_ranks(_link_bytes_of_blocks, 4, args=({"flat": FLAT, "hpz": HPZ, "mics": MICS}[mode],)):
+        assert link_bytes == {link: 4 * n for link, n in expected.items() if n}

@@ -124,3 +124,20 @@ def _my_group(groups: list[list[int]], rank: int):
     """Create every group (every rank must create each one) and return the one holding `rank`."""
     made = [comm.new_group(ranks) for ranks in groups]
     return next(group for group, ranks in zip(made, groups) if rank in ranks)
+
+
+def stage3_link_numel(mode: str, numel: int, group_size: int, micro_batches: int) -> dict[str, int]:
+    """Elements one rank moves per optimizer step on each link at stage 3, as the comm ledger counts
+    them (zerodp/comm.py: an all-gather its output, a reduce-scatter its input, an all-reduce twice),
+    for `numel` parameter elements (padded) in units released between forward and backward, with
+    `micro_batches` forward-backward passes per step, on more than one node. `mode`: "flat" (every
+    collective spans the nodes), "hpz" or "mics" with `group_size` ranks per group, each group one
+    node (see [Note: hierarchical partitioning]). The 2-element gradient-norm all-reduce is left out."""
+    k = micro_batches
+    if mode == "flat":
+        return {comm.INTRA_NODE: 0, comm.INTER_NODE: 3 * k * numel}
+    if mode == "hpz":  # the step's first forward gathers over all ranks; every later gather in the node
+        return {comm.INTRA_NODE: (2 * k - 1) * numel, comm.INTER_NODE: numel + k * numel}
+    if mode == "mics":  # everything in the group; each 1/S gradient shard all-reduced once per step
+        return {comm.INTRA_NODE: 3 * k * numel, comm.INTER_NODE: 2 * numel // group_size}
+    raise ValueError(f"mode {mode!r}: expected 'flat', 'hpz' or 'mics'")
