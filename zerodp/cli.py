@@ -7,6 +7,7 @@
     zerodp ckpt convert ckpt/ out/                # full weights as safetensors shards
     zerodp ckpt convert ds_ckpt/ out/ --to zerodp # a DeepSpeed ZeRO checkpoint as a zerodp one
     zerodp ckpt gather h0/ckpt h1/ckpt --out ckpt # one checkpoint from a node-local save's host directories
+    zerodp estimate --params 7B --world-size 64   # model states per rank for every strategy
 """
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ def _parser() -> argparse.ArgumentParser:
     gather.add_argument("--out", required=True, help="directory to write OUT/TAG and OUT/latest into")
     gather.add_argument("--tag", default=None, help="tag to gather (default: the one in each DIR/latest)")
     gather.set_defaults(func=_cmd_ckpt_gather)
+
+    estimate = sub.add_parser("estimate", help="model-state memory per rank for every ZeRO strategy, before a run")
+    estimate.add_argument("model", nargs="?", default=None,
+                          help="a model to estimate (not supported yet: give --params)")
+    estimate.add_argument("--params", default=None, metavar="N",
+                          help="number of trainable parameters: 7.5e9, 7B, 350M, 125000000")
+    estimate.add_argument("--world-size", default="1", metavar="N", help="data-parallel ranks (default 1)")
+    estimate.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                          help="training precision (default bf16: 16-bit parameters and gradients, fp32 masters)")
+    estimate.add_argument("--largest-layer", default="0", metavar="N",
+                          help="parameters of the largest module, for DeepSpeed's stage-3 figure beside zerodp's")
+    estimate.add_argument("--json", action="store_true", help="print one JSON object per strategy")
+    estimate.set_defaults(func=_cmd_estimate)
 
     demo = sub.add_parser("demo", help="train a small GPT on a synthetic task, then show the memory ledger")
     demo.add_argument("--nproc", type=_positive_int, default=2, help="processes (ranks) to launch (default 2)")
@@ -242,6 +256,59 @@ def _convert_source_problem(args: argparse.Namespace, is_deepspeed: bool) -> str
     if args.to == "zerodp" and not is_deepspeed:
         return f"--to zerodp converts a DeepSpeed checkpoint, and {args.dir} is {found}"
     return None
+
+
+_COUNT_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+def _count(text: str) -> int | None:
+    """7.5e9, 7B, 350M, 1.3b, 125000000 -> a whole count (None if it is not one), in exact decimal."""
+    from decimal import Decimal, InvalidOperation
+
+    body, suffix = (text[:-1], text[-1].upper()) if text[-1:].upper() in ("K", "M", "B", "T") else (text, "")
+    try:
+        value = Decimal(body) * _COUNT_SUFFIXES[suffix]
+    except InvalidOperation:
+        return None
+    whole = value.is_finite() and 1 <= value < 10**18 and value == value.to_integral_value()
+    return int(value) if whole else None
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from zerodp.plan.estimate import estimate_rows
+
+    problems = []
+    if args.params is None:
+        problems.append("give --params N (a model from a config or a module is not supported yet)")
+    elif args.model is not None:
+        problems.append("give either MODEL or --params, not both")
+    numel = _count(args.params) if args.params is not None else None
+    if args.params is not None and numel is None:
+        problems.append(f"--params {args.params!r}: expected a number of parameters such as 7.5e9 or 7B")
+    world, largest = _count(args.world_size), _count(args.largest_layer) if args.largest_layer != "0" else 0
+    if world is None:
+        problems.append(f"--world-size {args.world_size}: expected a positive number of ranks")
+    if largest is None:
+        problems.append(f"--largest-layer {args.largest_layer}: expected a number of parameters")
+    if problems:
+        print("zerodp estimate: " + "; ".join(problems), file=sys.stderr)
+        return EXIT_USAGE
+    rows = estimate_rows(numel, world, args.dtype, largest)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return EXIT_OK
+    print(f"model states per rank: {numel:,} trainable parameters, Adam, {args.dtype}, {world} ranks "
+          "(GB = 10^9 bytes; activations and transient buffers come on top)")
+    width = max(len(r["strategy"]) for r in rows)
+    print(f"  {'strategy':<{width}} {'device':>10} {'host':>10} {'nvme':>10} {'DeepSpeed':>10}")
+    for r in rows:
+        cells = [r["model_states_bytes"], r["host_bytes"], r["nvme_bytes"], r["deepspeed_bytes"]]
+        print(f"  {r['strategy']:<{width}} " + " ".join(f"{'-' if b is None else f'{b / 1e9:.2f}':>10}" for b in cells))
+    print("DeepSpeed: what its estimate_zero2/3_model_states_mem_needs_all_cold print per GPU (converted from GiB), "
+          "where it estimates; it adds the step's fp32 gradient copy (4 bytes per parameter / ranks) and, at stage 3, "
+          "4 bytes per parameter of the largest layer (--largest-layer), which zerodp counts as transients. "
+          "Parameters offloaded to nvme stay in host memory up to offload_param.max_in_cpu (1e9) elements per rank")
+    return EXIT_OK
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -1,0 +1,118 @@
+"""`zerodp estimate`: model states per rank, predicted before anything runs, equal to the ledger.
+
+The estimator's figures must be the memory ledger's for the same run, byte for byte, category by
+category and tier by tier (zerodp/plan/estimate.py's [Note: the model-state arithmetic]); and its
+formulas reproduce the ZeRO paper's Figure 1 and, where the accounting differs, DeepSpeed's own
+estimator's figures.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+NUMEL = 1001  # odd: padded at every world size > 1
+
+
+class _OneTensor(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(-1, 1, NUMEL))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).square().mean()
+
+
+def _ledgers(rank: int, world: int, dtype: str, nvme_dir: str, max_in_cpu: int) -> list:
+    import zerodp
+    from zerodp.plan.estimate import every_strategy
+
+    precision = {"bf16": {"bf16": {"enabled": True}}, "fp32": {}}[dtype]
+    out = []
+    for s in every_strategy(dtype):
+        zero: dict = {"stage": s.stage, "stage3_param_persistence_threshold": 0}
+        for key, device in (("offload_optimizer", s.offload_optimizer), ("offload_param", s.offload_param)):
+            if device != "none":
+                zero[key] = {"device": device, **({"nvme_path": f"{nvme_dir}/{key}"} if device == "nvme" else {})}
+        if s.offload_param == "nvme":
+            zero["offload_param"]["max_in_cpu"] = max_in_cpu
+        config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                  "zero_optimization": zero, **precision}
+        engine, *_ = zerodp.initialize(model=_OneTensor(), config=config)
+        engine.backward(engine(torch.ones(NUMEL)))
+        engine.step()  # Adam's state exists from the first step on
+        out.append((s, engine.memory_report()["held"]))
+    return out
+
+
+@pytest.mark.parametrize("world,dtype,max_in_cpu", [(2, "bf16", 100), (4, "fp32", 100), (1, "bf16", 10**9)])
+def test_every_strategy_s_estimate_is_the_ledger_of_its_run(tmp_path, world: int, dtype: str, max_in_cpu: int) -> None:
+    """max_in_cpu: parameter shards offloaded to nvme go there (100 elements) or stay in host memory."""
+    from zerodp.plan.estimate import model_states
+
+    for key in ("offload_optimizer", "offload_param"):
+        (tmp_path / key).mkdir()
+    for rank, runs in enumerate(run_ranks(_ledgers, world, args=(dtype, str(tmp_path), max_in_cpu))):
+        for strategy, held in runs:
+            predicted = model_states(NUMEL, world, strategy, rank=rank, param_max_in_cpu=max_in_cpu).held
+            measured = {(category, tier): b for category, tiers in held.items() for tier, b in tiers.items()}
+            assert predicted == measured, (rank, strategy)
+
+
+def test_the_zero_paper_s_figure_1() -> None:
+    """7.5B parameters, Adam, mixed precision, 64 ranks: 120 / 31.4 / 16.6 / 1.9 GB per rank."""
+    from zerodp.plan.estimate import Strategy, model_states
+
+    gb = [model_states(7_500_000_000, 64, Strategy(stage)).bytes() / 1e9 for stage in range(4)]
+    assert [round(g, 1) for g in gb] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_deepspeed_s_estimator_figures_and_why_they_differ() -> None:
+    """DeepSpeed (8 nodes x 8 GPUs, 7.5B): ZeRO-2 15.93 GB (GiB), 13.97 with CPU offload; ZeRO-3 2.71
+    with a 200M largest layer. zerodp's figures count model states only: DeepSpeed adds the step's
+    fp32 gradient copy (4Ψ/N) and, at stage 3, 4 bytes per element of the largest layer."""
+    from zerodp.plan.estimate import Strategy, deepspeed_estimate, model_states
+
+    gib, psi = 2**30, 7_500_000_000
+    assert round(deepspeed_estimate(psi, 64, Strategy(2)) / gib, 2) == 15.93
+    assert round(deepspeed_estimate(psi, 64, Strategy(2, "cpu")) / gib, 2) == 13.97
+    assert round(deepspeed_estimate(psi, 64, Strategy(3), largest_layer=200_000_000) / gib, 2) == 2.71
+    ours = model_states(psi, 64, Strategy(2)).bytes(tier="device")
+    assert deepspeed_estimate(psi, 64, Strategy(2)) - ours == 4 * psi // 64 - 4  # zerodp counts Adam's 4-byte step
+
+
+def test_the_command_prints_every_strategy_and_json_holds_the_named_fields(capsys) -> None:
+    from zerodp.cli import main
+
+    assert main(["estimate", "--params", "7.5e9", "--world-size", "64"]) == 0
+    table = capsys.readouterr().out
+    assert "stage 3, offload optimizer -> nvme, params -> nvme" in table and "DeepSpeed" in table
+    assert main(["estimate", "--params", "7.5e9", "--world-size", "64", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 16
+    for row in rows:
+        assert {"stage", "offload_optimizer", "offload_param", "activation_checkpointing", "dtype", "world_size",
+                "model_states_bytes", "peak_bytes", "host_bytes"} <= row.keys()
+    by = {(r["stage"], r["offload_optimizer"], r["offload_param"]): r for r in rows}
+    assert by[(0, "none", "none")]["model_states_bytes"] == 16 * 7_500_000_000 + 4  # + Adam's step
+    assert by[(3, "cpu", "cpu")]["model_states_bytes"] == 0 and by[(3, "cpu", "cpu")]["host_bytes"] > 0
+    assert all(r["peak_bytes"] is None for r in rows)  # from a parameter count: no activations to add
+    for spelled in ("1.3B", "1.3e9", "1300M", "1300000000"):  # exact, not a float's 1299999999
+        assert main(["estimate", "--params", spelled]) == 0
+        assert "1,300,000,000 trainable parameters" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["estimate", "--params", "lots"], "--params 'lots': expected a number of parameters such as 7.5e9 or 7B"),
+    (["estimate", "--params", "1e9", "--world-size", "0"], "--world-size 0: expected a positive number of ranks"),
+    (["estimate"], "give --params N (a model from a config or a module is not supported yet)"),
+])
+def test_bad_arguments_are_named(capsys, argv: list[str], message: str) -> None:
+    from zerodp.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
