@@ -109,10 +109,89 @@ def test_the_command_prints_every_strategy_and_json_holds_the_named_fields(capsy
 @pytest.mark.parametrize("argv,message", [
     (["estimate", "--params", "lots"], "--params 'lots': expected a number of parameters such as 7.5e9 or 7B"),
     (["estimate", "--params", "1e9", "--world-size", "0"], "--world-size 0: expected a positive number of ranks"),
-    (["estimate"], "give --params N (a model from a config or a module is not supported yet)"),
+    (["estimate"], "give MODEL (demo, a Hugging Face config, module:function) or --params N"),
+    (["estimate", "demo", "--params", "7B"], "give either MODEL or --params, not both"),
+    (["estimate", "no_such_thing"], "MODEL 'no_such_thing': expected demo, a Hugging Face config"),
+    (["estimate", "os:getcwd"], "MODEL 'os:getcwd': getcwd() returned a str, not an nn.Module"),
 ])
 def test_bad_arguments_are_named(capsys, argv: list[str], message: str) -> None:
     from zerodp.cli import main
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def _demo_ledgers(rank: int, world: int, nvme_dir: str, persistence: int) -> list:
+    import zerodp
+    from zerodp.demo import DEMO_DEFAULT, TinyGPT
+    from zerodp.plan.estimate import every_strategy
+
+    out = []
+    for s in every_strategy("bf16"):
+        zero: dict = {"stage": s.stage, "stage3_param_persistence_threshold": persistence}
+        for key, device in (("offload_optimizer", s.offload_optimizer), ("offload_param", s.offload_param)):
+            if device != "none":
+                zero[key] = {"device": device, **({"nvme_path": f"{nvme_dir}/{key}"} if device == "nvme" else {})}
+        if s.offload_param == "nvme":  # the first units' shards stay in host memory, the rest go to nvme
+            zero["offload_param"]["max_in_cpu"] = 100_000
+        config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                  "zero_optimization": zero, "bf16": {"enabled": True}}
+        torch.manual_seed(0)
+        engine, *_ = zerodp.initialize(model=TinyGPT(DEMO_DEFAULT), config=config)
+        idx = torch.randint(0, DEMO_DEFAULT.vocab_size, (1, DEMO_DEFAULT.seq_len))
+        engine.backward(engine(idx, idx))
+        engine.step()
+        out.append((s, engine.memory_report()["held"]))
+    return out
+
+
+@pytest.mark.parametrize("persistence", [100_000, 0])
+def test_a_model_built_on_the_meta_device_is_estimated_as_its_ledger(tmp_path, persistence: int) -> None:
+    """The demo GPT (embeddings, 4 blocks, a tied head), every strategy at 2 ranks: the estimate from a
+    meta-device copy equals each rank's ledger. At DeepSpeed's default persistence threshold every one
+    of its parameters (at most 65,536 elements) stays whole at stage 3; at 0 the blocks are units."""
+    from zerodp.demo import DEMO_DEFAULT, TinyGPT
+    from zerodp.plan.estimate import buffer_bytes, flat_states, module_flats
+
+    with torch.device("meta"):
+        model = TinyGPT(DEMO_DEFAULT)
+    for key in ("offload_optimizer", "offload_param"):
+        (tmp_path / key).mkdir()
+    for rank, runs in enumerate(run_ranks(_demo_ledgers, 2, args=(str(tmp_path), persistence))):
+        for strategy, held in runs:
+            flats = module_flats(model, strategy.stage, 2, persistence, offload_param=strategy.offload_param)
+            predicted = flat_states(flats, 2, strategy, rank=rank, param_max_in_cpu=100_000,
+                                    buffer_bytes=buffer_bytes(model)).held
+            measured = {(category, tier): b for category, tiers in held.items() for tier, b in tiers.items()}
+            assert predicted == measured, (rank, strategy)
+
+
+def one_tensor() -> torch.nn.Module:
+    """For `zerodp estimate tests.test_estimate:one_tensor`."""
+    return _OneTensor()
+
+
+def test_models_from_the_demo_a_hugging_face_config_and_a_function(tmp_path, capsys) -> None:
+    """Built on the meta device, no weights read; each estimate is that of the model's own flats."""
+    import transformers
+
+    from zerodp.cli import main
+    from zerodp.plan.estimate import Strategy, model_states
+
+    assert main(["estimate", "tests.test_estimate:one_tensor", "--world-size", "4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    for row in rows:  # one tensor: one flat group, as from the count, below stage 3
+        s = Strategy(row["stage"], row["offload_optimizer"], row["offload_param"])
+        if s.stage < 3:
+            assert row["model_states_bytes"] == model_states(NUMEL, 4, s).bytes("device"), s
+        elif s == Strategy(3):  # under the persistence threshold (1e5): kept whole, 2 x 1004 padded
+            assert row["by_category"]["param16 (device)"] == 2 * 1004
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    config.save_pretrained(tmp_path)
+    numel = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    for model in (str(tmp_path), str(tmp_path / "config.json")):
+        assert main(["estimate", model, "--world-size", "8"]) == 0
+        assert f"{numel:,} trainable parameters" in capsys.readouterr().out
+    assert main(["estimate", "demo"]) == 0
+    assert "demo: 805,632 trainable parameters" in capsys.readouterr().out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -88,8 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     gather.set_defaults(func=_cmd_ckpt_gather)
 
     estimate = sub.add_parser("estimate", help="model-state memory per rank for every ZeRO strategy, before a run")
-    estimate.add_argument("model", nargs="?", default=None,
-                          help="a model to estimate (not supported yet: give --params)")
+    estimate.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                          help="demo (the demo's GPT), a Hugging Face config file or model directory, or "
+                               "module:function returning an nn.Module; built on the meta device (no weights)")
     estimate.add_argument("--params", default=None, metavar="N",
                           help="number of trainable parameters: 7.5e9, 7B, 350M, 125000000")
     estimate.add_argument("--world-size", default="1", metavar="N", help="data-parallel ranks (default 1)")
@@ -275,14 +277,21 @@ def _count(text: str) -> int | None:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from zerodp.plan.estimate import estimate_rows
+    from zerodp.plan.estimate import estimate_rows, meta_model
 
-    problems = []
-    if args.params is None:
-        problems.append("give --params N (a model from a config or a module is not supported yet)")
-    elif args.model is not None:
+    problems, module = [], None
+    if args.params is None and args.model is None:
+        problems.append("give MODEL (demo, a Hugging Face config, module:function) or --params N")
+    elif args.params is not None and args.model is not None:
         problems.append("give either MODEL or --params, not both")
+    elif args.model is not None:
+        try:
+            module = meta_model(args.model)
+        except ValueError as err:
+            problems.append(str(err))
     numel = _count(args.params) if args.params is not None else None
+    if module is not None:
+        numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
     if args.params is not None and numel is None:
         problems.append(f"--params {args.params!r}: expected a number of parameters such as 7.5e9 or 7B")
     world, largest = _count(args.world_size), _count(args.largest_layer) if args.largest_layer != "0" else 0
@@ -293,17 +302,19 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if problems:
         print("zerodp estimate: " + "; ".join(problems), file=sys.stderr)
         return EXIT_USAGE
-    rows = estimate_rows(numel, world, args.dtype, largest)
+    rows = estimate_rows(numel, world, args.dtype, largest, module)
     if args.json:
         print(json.dumps(rows, indent=1))
         return EXIT_OK
-    print(f"model states per rank: {numel:,} trainable parameters, Adam, {args.dtype}, {world} ranks "
-          "(GB = 10^9 bytes; activations and transient buffers come on top)")
+    what = f"{args.model}: " if args.model else ""
+    unit, scale = ("GB", 1e9) if max(r["model_states_bytes"] for r in rows) >= 1e9 else ("MB", 1e6)
+    print(f"model states per rank: {what}{numel:,} trainable parameters, Adam, {args.dtype}, {world} ranks "
+          f"({unit} = 10^{round(math.log10(scale))} bytes; activations and transient buffers come on top)")
     width = max(len(r["strategy"]) for r in rows)
     print(f"  {'strategy':<{width}} {'device':>10} {'host':>10} {'nvme':>10} {'DeepSpeed':>10}")
     for r in rows:
         cells = [r["model_states_bytes"], r["host_bytes"], r["nvme_bytes"], r["deepspeed_bytes"]]
-        print(f"  {r['strategy']:<{width}} " + " ".join(f"{'-' if b is None else f'{b / 1e9:.2f}':>10}" for b in cells))
+        print(f"  {r['strategy']:<{width}} " + " ".join(f"{'-' if b is None else f'{b / scale:.2f}':>10}" for b in cells))
     print("DeepSpeed: what its estimate_zero2/3_model_states_mem_needs_all_cold print per GPU (converted from GiB), "
           "where it estimates; it adds the step's fp32 gradient copy (4 bytes per parameter / ranks) and, at stage 3, "
           "4 bytes per parameter of the largest layer (--largest-layer), which zerodp counts as transients. "

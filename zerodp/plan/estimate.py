@@ -1,6 +1,8 @@
-"""Model states per rank for every ZeRO strategy, before anything runs: numbers in, numbers out.
+"""Model states per rank for every ZeRO strategy, before anything runs.
 
-The bytes are the memory ledger's (zerodp/memory.py) by category and tier, from the same partition
+The arithmetic (`model_states`, `flat_states`) is pure: numbers in, numbers out. `module_flats` reads
+a model's shapes into the flat buffers the strategies would build (the model may be on the meta
+device, which `meta_model` builds it on: no weights). The bytes are the memory ledger's (zerodp/memory.py) by category and tier, from the same partition
 arithmetic the strategies allocate with (zero/layout.py's `group_layout`), so a prediction and the
 ledger of the same run agree (tests/test_estimate.py). What this module does not predict yet:
 activations and transient buffers (gathered stage-3 units, gradient buckets, the step's fp32
@@ -22,6 +24,7 @@ offload_param.max_in_cpu elements.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from zerodp.memory import CPU, DEVICE, NVME, Category
@@ -74,39 +77,80 @@ class ModelStates:
         return sum(b for (_, t), b in self.held.items() if tier is None or t == tier)
 
 
+@dataclass(frozen=True)
+class Flat:
+    """A flat buffer a strategy allocates: its parameters' element counts, whether the optimizer
+    trains them, and (stage 3) whether it stays whole (a persistent unit, or nothing to shard)."""
+
+    numels: tuple[int, ...]
+    trains: bool = True
+    keep_full: bool = False
+
+
 def model_states(numel: int, num_ranks: int, strategy: Strategy, rank: int = 0,
                  param_max_in_cpu: int = 1_000_000_000) -> ModelStates:
     """Model-state bytes of `rank` (default 0, which holds the most: padding sits on the last ranks)
     for `numel` trainable elements in one flat group, trained with Adam on `num_ranks` ranks (see
     [Note: the model-state arithmetic]). `param_max_in_cpu`: offload_param.max_in_cpu, the shard
     elements parameter offload to nvme keeps in host memory (DeepSpeed's default)."""
+    return flat_states([Flat((numel,))], num_ranks, strategy, rank, param_max_in_cpu)
+
+
+def flat_states(flats: list[Flat], num_ranks: int, strategy: Strategy, rank: int = 0,
+                param_max_in_cpu: int = 1_000_000_000, buffer_bytes: int = 0) -> ModelStates:
+    """Model-state bytes of `rank` for these flat buffers: at stages 0-2 the param groups (frozen
+    parameters in flats that do not train, held whole), at stage 3 every unit's trainable and frozen
+    flat in unit order; plus `buffer_bytes` of module buffers."""
     s, w = strategy, DTYPES[strategy.dtype]
     out = ModelStates(s)
-    layout = group_layout([numel], num_ranks)
-    shard = layout.shard_numel
-    start, _ = layout.owned_range(rank)
-    owned_elements = max(0, min(shard, numel - start))  # the parameters' elements in this rank's shard
-    home = {"none": DEVICE, "cpu": CPU, "nvme": NVME}[s.offload_optimizer]
+    out.add(Category.BUFFER, DEVICE, buffer_bytes)
     working = Category.PARAM16 if w == 2 else Category.PARAM32_MASTER
     if s.stage == 0:
-        out.add(working, DEVICE, w * numel)
-        out.add(Category.GRAD, DEVICE, w * numel)
-        stepped, master_elements, master_tier = numel, numel if w == 2 else 0, DEVICE
+        trained = [n for f in flats if f.trains for n in f.numels]
+        out.add(working, DEVICE, w * sum(n for f in flats for n in f.numels))
+        out.add(Category.GRAD, DEVICE, w * sum(trained))
+        out.add(Category.PARAM32_MASTER, DEVICE, 4 * sum(trained) if w == 2 else 0)
+        out.add(Category.OPTIM_STATE, DEVICE, ADAM_STATE_BYTES * sum(trained) + STEP_BYTES * len(trained))
+        return out
+    in_cpu = 0  # stage 3, parameters offloaded to nvme: shard elements kept in host memory so far
+    for f in flats:
+        if s.stage < 3 and not f.trains:
+            out.add(working, DEVICE, w * sum(f.numels))
+            continue
+        in_cpu = _add_flat(out, f, num_ranks, s, rank, param_max_in_cpu, in_cpu)
+    return out
+
+
+def _add_flat(out: ModelStates, f: Flat, num_ranks: int, s: Strategy, rank: int, max_in_cpu: int,
+              in_cpu: int) -> int:
+    """One sharded flat buffer's bytes (stages 1-3); returns the shard elements now kept in host
+    memory by nvme parameter offload."""
+    w = DTYPES[s.dtype]
+    working = Category.PARAM16 if w == 2 else Category.PARAM32_MASTER
+    layout = group_layout(list(f.numels), num_ranks)
+    shard = layout.shard_numel
+    start, stop = layout.owned_range(rank)
+    owned = sum(x.numel for x in layout.slices_in(start, stop))  # the parameters' elements in this shard
+    home = {"none": DEVICE, "cpu": CPU, "nvme": NVME}[s.offload_optimizer]
+    if s.stage < 3:
+        out.add(working, DEVICE, w * layout.padded_numel)
+    elif f.keep_full:
+        out.add(working, DEVICE, w * layout.padded_numel)
     else:
-        param_elements = shard if s.stage == 3 else layout.padded_numel
-        param_tier = {"none": DEVICE, "cpu": CPU, "nvme": NVME}[s.offload_param] if s.stage == 3 else DEVICE
-        if param_tier == NVME and param_elements <= param_max_in_cpu:
-            param_tier = CPU
-        out.add(working, param_tier, w * param_elements)
-        grad_tier = DEVICE if s.stage == 1 else CPU if home == NVME else home  # on nvme: in host memory
-        out.add(Category.GRAD, grad_tier, w * (layout.padded_numel if s.stage == 1 else shard))
-        stepped = owned_elements if s.stage == 3 else shard
-        separate = w == 2 or s.offload_optimizer != "none" or (s.stage == 3 and s.offload_param == "nvme")
-        master_elements, master_tier = (shard if separate else 0), home
-    out.add(Category.PARAM32_MASTER, master_tier, 4 * master_elements)
+        tier = {"none": DEVICE, "cpu": CPU, "nvme": NVME}[s.offload_param]
+        if tier == NVME and in_cpu + shard <= max_in_cpu:
+            tier, in_cpu = CPU, in_cpu + shard
+        out.add(working, tier, w * shard)
+    if not f.trains:
+        return in_cpu
+    grad_tier = DEVICE if s.stage == 1 else CPU if home == NVME else home  # on nvme: in host memory
+    out.add(Category.GRAD, grad_tier, w * (layout.padded_numel if s.stage == 1 else shard))
+    separate = w == 2 or s.offload_optimizer != "none" or (s.stage == 3 and s.offload_param == "nvme")
+    out.add(Category.PARAM32_MASTER, home, 4 * shard if separate else 0)
+    stepped = owned if s.stage == 3 else shard
     out.add(Category.OPTIM_STATE, home, ADAM_STATE_BYTES * stepped)
     out.add(Category.OPTIM_STATE, CPU if home == NVME else home, STEP_BYTES * (1 if stepped else 0))
-    return out
+    return in_cpu
 
 
 def deepspeed_estimate(numel: int, num_ranks: int, strategy: Strategy, largest_layer: int = 0) -> int | None:
@@ -126,13 +170,19 @@ def deepspeed_estimate(numel: int, num_ranks: int, strategy: Strategy, largest_l
     return None
 
 
-def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0) -> list[dict]:
+def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0,
+                  module: "torch.nn.Module | None" = None) -> list[dict]:
     """One plain-data row per strategy (`zerodp estimate --json`): model states on the device, in host
-    memory and on NVMe, per rank, and DeepSpeed's figure beside. `peak_bytes` is None: without a model
-    there are no activations or transients to add."""
+    memory and on NVMe, per rank (rank 0), and DeepSpeed's figure beside. From `module` (on the meta
+    device) its param group and stage-3 units, at DeepSpeed's default thresholds; else one flat group
+    of `numel`. `peak_bytes` is None: activations and transients are not estimated yet."""
     rows = []
     for s in every_strategy(dtype):
-        states = model_states(numel, num_ranks, s)
+        if module is None:
+            states = model_states(numel, num_ranks, s)
+        else:
+            flats = module_flats(module, s.stage, num_ranks, offload_param=s.offload_param)
+            states = flat_states(flats, num_ranks, s, buffer_bytes=buffer_bytes(module))
         rows.append({"stage": s.stage, "offload_optimizer": s.offload_optimizer, "offload_param": s.offload_param,
                      "activation_checkpointing": None, "dtype": dtype, "world_size": num_ranks,
                      "model_states_bytes": states.bytes(DEVICE), "peak_bytes": None, "host_bytes": states.bytes(CPU),
@@ -140,3 +190,75 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
                      "deepspeed_bytes": deepspeed_estimate(numel, num_ranks, s, largest_layer),
                      "strategy": s.describe()})
     return rows
+
+
+def meta_model(spec: str) -> "torch.nn.Module":
+    """Build `spec` on the meta device (no weights are allocated or read): "demo" (the demo's GPT), a
+    Hugging Face config file or model directory (config.json; transformers needed), or
+    "module:function" returning an nn.Module. ValueError naming the spec otherwise."""
+    import importlib
+    from pathlib import Path
+
+    import torch
+
+    with torch.device("meta"):
+        if spec == "demo":
+            from zerodp.demo import DEMO_DEFAULT, TinyGPT
+
+            return TinyGPT(DEMO_DEFAULT)
+        path = Path(spec)
+        if path.is_dir() or path.suffix == ".json":
+            return _hf_model(path)
+        module_name, _, function = spec.partition(":")
+        if not function:
+            raise ValueError(f"MODEL {spec!r}: expected demo, a Hugging Face config (file or directory) or "
+                             "module:function")
+        try:
+            made = getattr(importlib.import_module(module_name), function)()
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"MODEL {spec!r}: {err}") from None
+        if not isinstance(made, torch.nn.Module):
+            raise ValueError(f"MODEL {spec!r}: {function}() returned a {type(made).__name__}, not an nn.Module")
+        return made
+
+
+def _hf_model(path: "Path") -> "torch.nn.Module":
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"MODEL {path}: a Hugging Face config needs transformers (pip install transformers)") from None
+    if not path.exists() or (path.is_dir() and not (path / "config.json").is_file()):
+        raise ValueError(f"MODEL {path}: no config.json there")
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            return auto.from_config(config)
+        except ValueError:  # not a causal LM: the base model
+            continue
+    raise ValueError(f"MODEL {path}: transformers builds no model from its config (model_type {config.model_type!r})")
+
+
+def module_flats(module: "torch.nn.Module", stage: int, num_ranks: int, persistence_threshold: int = 100_000,
+                 model_persistence_threshold: int = sys.maxsize, offload_param: str = "none") -> list[Flat]:
+    """The flat buffers a strategy builds for `module` (which may live on the meta device: only
+    shapes are read), with the default param group (every trainable parameter) and, at stage 3,
+    the units zero/units.py's `plan_units` chooses (the stage3_param_persistence_threshold and
+    stage3_model_persistence_threshold given here)."""
+    from zerodp.zero.units import full_numel, plan_units
+
+    def split(params: list, keep_full: bool) -> list[Flat]:
+        trains = tuple(full_numel(p) for p in params if p.requires_grad)
+        frozen = tuple(full_numel(p) for p in params if not p.requires_grad)
+        return [Flat(trains, True, keep_full)] * bool(trains) + [Flat(frozen, False, keep_full)] * bool(frozen)
+
+    if stage < 3:
+        return split(list(module.parameters()), False)
+    plan = plan_units(module, persistence_threshold, model_persistence_threshold)
+    whole = num_ranks == 1 and offload_param == "none"  # nothing to shard across
+    flats = [f for _, _, params in plan.units for f in split(params, whole)]
+    return flats + split(plan.persistent, True)  # the persistent unit stays whole
+
+
+def buffer_bytes(module: "torch.nn.Module") -> int:
+    """Bytes of the module's buffers (kept whole, in their own dtype, on every rank)."""
+    return sum(b.numel() * b.element_size() for b in module.buffers())
