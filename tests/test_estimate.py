@@ -195,3 +195,31 @@ def test_models_from_the_demo_a_hugging_face_config_and_a_function(tmp_path, cap
         assert f"{numel:,} trainable parameters" in capsys.readouterr().out
     assert main(["estimate", "demo"]) == 0
     assert "demo: 805,632 trainable parameters" in capsys.readouterr().out
+
+
+def _start_demo(rank: int, world: int, stage: int) -> str:
+    import zerodp
+    from zerodp.demo import DEMO_DEFAULT, TinyGPT
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}}
+    try:
+        engine, *_ = zerodp.initialize(model=TinyGPT(DEMO_DEFAULT), config=config)
+    except ValueError as err:  # PreflightError is one
+        return f"{type(err).__name__}: {err}"
+    return f"started, {engine.memory_report()['model_states']} bytes of model states"
+
+
+def test_the_preflight_refuses_model_states_over_the_limit_on_every_rank_and_names_what_fits() -> None:
+    """The demo GPT at stage 0 holds 12.89 MB of model states per rank (bf16, Adam): refused under a
+    5 MB limit, with the strategies that fit; started under 20 MB, or with the preflight switched off."""
+    limited = run_ranks(_start_demo, 2, args=(0,), env={"ZERODP_DEVICE_MEMORY_LIMIT": "5MB"})
+    assert limited[0] == limited[1]  # the same error on each rank, from no communication
+    assert limited[0].startswith("PreflightError: initialize() refused to start: the model states alone need 12.89 MB per rank "
+                                 "on the device at stage 0 (2 ranks, bf16), more than the 5.00 MB of "
+                                 "$ZERODP_DEVICE_MEMORY_LIMIT=5MB")
+    assert "Strategies whose model states fit: stage 1, offload optimizer -> cpu (3.22 MB)" in limited[0]
+    for env in ({"ZERODP_DEVICE_MEMORY_LIMIT": "20MB"}, {"ZERODP_DEVICE_MEMORY_LIMIT": "5MB", "ZERODP_PREFLIGHT": "0"}):
+        assert all(r.startswith("started") for r in run_ranks(_start_demo, 2, args=(0,), env=env)), env
+    refused = run_ranks(_start_demo, 2, args=(0,), env={"ZERODP_DEVICE_MEMORY_LIMIT": "lots"})
+    assert "$ZERODP_DEVICE_MEMORY_LIMIT 'lots': expected a size such as 5GB" in refused[0]

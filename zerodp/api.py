@@ -18,6 +18,7 @@ from zerodp.optim import NoOptimizer, forward_only_reason, optimizer_factory, pa
 from zerodp.precision import DtypePolicy
 from zerodp.zero import strategy_class
 from zerodp.zero.units import full_numel
+from zerodp.plan.preflight import preflight_memory
 from zerodp.zero.topology import node_layout
 
 
@@ -67,6 +68,8 @@ def initialize(
     groups = [] if forward_only else param_groups_from(model, model_parameters, optimizer)
     _check_partitioning(model, cfg)
     preflight_offload(cfg, sum(full_numel(p) for g in groups for p in g["params"]))
+    if not forward_only:  # an engine that trains: its model states are the estimator's
+        preflight_memory(cfg, model, {p for g in groups for p in g["params"]}, cfg.batch.world_size)
     if dist_init_required is False and not comm.is_initialized():
         raise ValueError("dist_init_required=False but torch.distributed is not initialised")
     comm.init_distributed()

@@ -36,6 +36,14 @@ ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per element
 STEP_BYTES = 4  # torch's `step`: a 0-dim fp32 tensor per optimizer tensor
 
 
+def decimal_size(num_bytes: int) -> str:
+    """Bytes in powers of 1000, as the ZeRO paper and `zerodp estimate` give them: "12.89 MB", "16.64 GB"."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes} B"
+
+
 @dataclass(frozen=True)
 class Strategy:
     """A ZeRO configuration as the estimator sees it."""
@@ -239,16 +247,19 @@ def _hf_model(path: "Path") -> "torch.nn.Module":
 
 
 def module_flats(module: "torch.nn.Module", stage: int, num_ranks: int, persistence_threshold: int = 100_000,
-                 model_persistence_threshold: int = sys.maxsize, offload_param: str = "none") -> list[Flat]:
+                 model_persistence_threshold: int = sys.maxsize, offload_param: str = "none",
+                 trainable: set | None = None) -> list[Flat]:
     """The flat buffers a strategy builds for `module` (which may live on the meta device: only
-    shapes are read), with the default param group (every trainable parameter) and, at stage 3,
-    the units zero/units.py's `plan_units` chooses (the stage3_param_persistence_threshold and
-    stage3_model_persistence_threshold given here)."""
+    shapes are read), with one param group of `trainable` (default: every parameter that requires
+    grad) and, at stage 3, the units zero/units.py's `plan_units` chooses (the
+    stage3_param_persistence_threshold and stage3_model_persistence_threshold given here)."""
     from zerodp.zero.units import full_numel, plan_units
 
+    trains_ = (lambda p: p in trainable) if trainable is not None else (lambda p: p.requires_grad)
+
     def split(params: list, keep_full: bool) -> list[Flat]:
-        trains = tuple(full_numel(p) for p in params if p.requires_grad)
-        frozen = tuple(full_numel(p) for p in params if not p.requires_grad)
+        trains = tuple(full_numel(p) for p in params if trains_(p))
+        frozen = tuple(full_numel(p) for p in params if not trains_(p))
         return [Flat(trains, True, keep_full)] * bool(trains) + [Flat(frozen, False, keep_full)] * bool(frozen)
 
     if stage < 3:
