@@ -2,9 +2,10 @@
 
 The arithmetic (`model_states`, `flat_states`) is pure: numbers in, numbers out. `module_flats` reads
 a model's shapes into the flat buffers the strategies would build (the model may be on the meta
-device, which `meta_model` builds it on: no weights). The bytes are the memory ledger's (zerodp/memory.py) by category and tier, from the same partition
-arithmetic the strategies allocate with (zero/layout.py's `group_layout`), so a prediction and the
-ledger of the same run agree (tests/test_estimate.py). What this module does not predict yet:
+device, which `meta_model` builds it on: no weights). The bytes are the memory ledger's
+(zerodp/memory.py) by category and tier, from the same partition arithmetic the strategies allocate
+with (zero/layout.py's `group_layout`), so a prediction and the ledger of the same run agree
+(tests/test_estimate.py). What this module does not predict yet:
 activations and transient buffers (gathered stage-3 units, gradient buckets, the step's fp32
 gradient copy); `zerodp estimate` says so beside its figures.
 
