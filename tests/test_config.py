@@ -397,6 +397,7 @@ def test_removed_zero_keys() -> None:
     ({"stage": 3, "mics_shard_size": 8}, 1, "mics_shard_size: 8 does not divide the data-parallel world size (1); "
                                             "use the ranks per node (zerodp config check: give --world-size)"),
     ({"stage": 3, "zero_hpz_partition_size": 2, "mics_shard_size": 2}, 4, "both are set"),
+    ({"stage": 3, "mics_shard_size": 1}, 4, "mics_shard_size: 1 would shard over one rank"),
     ({"stage": 3, "mics_shard_size": 2, "offload_param": {"device": "cpu"}}, 4,
      "hierarchical partitioning of offloaded parameters is not implemented"),
     ({"stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}, 4,

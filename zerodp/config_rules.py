@@ -115,6 +115,9 @@ def hierarchy_problems(cfg: ZeroDPConfig, world_size: int) -> list[str]:
     zero, where, problems = cfg.zero_optimization, "zero_optimization", []
     sizes = {key: size for key, size in (("zero_hpz_partition_size", zero.zero_hpz_partition_size),
                                           ("mics_shard_size", zero.mics_shard_size)) if size > 1}
+    if zero.mics_shard_size == 1:
+        problems.append(f"{where}.mics_shard_size: 1 would shard over one rank, i.e. replicate everything as DDP "
+                        "does; use ZeRO stage 0 for that, or a shard size of the ranks per node (-1: off)")
     if len(sizes) == 2:
         problems.append(f"{where}.zero_hpz_partition_size, {where}.mics_shard_size: both are set; hpZ keeps a "
                         "secondary copy of the parameters per node, MiCS shards everything per group: choose one")

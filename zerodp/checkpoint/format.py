@@ -121,6 +121,27 @@ def replace_latest(root: Path, tag: str) -> None:
     fsync_dir(root)
 
 
+def complete_tags(root: Path, candidates: list[str]) -> dict[str, int]:
+    """{tag: global_steps (-1 if unrecorded)} of the `candidates` complete (with meta.json) in `root`."""
+    complete = {}
+    for tag in candidates:
+        try:
+            complete[tag] = int(json.loads((root / tag / META).read_text()).get("global_steps", -1))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, TypeError, AttributeError):
+            complete[tag] = -1
+    return complete
+
+
+def newest_everywhere(holders: list[dict[str, int]]) -> str | None:
+    """The tag every holder (a host's directory) has complete with the most global steps, from each
+    holder's `complete_tags` (None: no tag is complete everywhere). Hosts' `latest` differ only after
+    a node-local save was interrupted while they published (save.py's [Note: node-local storage])."""
+    everywhere = [tag for tag in holders[0] if all(tag in h for h in holders)]
+    return max(everywhere, key=lambda tag: holders[0][tag]) if everywhere else None
+
+
 def read_meta(tag_dir: Path) -> dict:
     """meta.json of a checkpoint, checked for presence, format version and structure: every problem
     is named with the file, so a damaged or hand-edited meta.json never surfaces as a KeyError."""

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 from zerodp.checkpoint.convert import resolve_tag_dir
-from zerodp.checkpoint.format import ENGINE, META, CheckpointError, fsync_dir, fsync_write, read_meta, replace_latest
+from zerodp.checkpoint.format import (ENGINE, META, CheckpointError, complete_tags, fsync_dir, fsync_write,
+                                      newest_everywhere, read_meta, replace_latest)
 
 Progress = Callable[[int, int], None]  # (bytes copied, bytes in all)
 
@@ -67,11 +68,10 @@ def _tag_dirs(host_dirs: list[str | Path], tag: str | None) -> list[Path]:
     names = sorted({s.name for s in sources})
     if tag is not None or len(names) == 1:
         return sources
-    everywhere = [n for n in names if all((s.parent / n / META).exists() for s in sources)]
-    if not everywhere:
+    chosen = newest_everywhere([complete_tags(s.parent, names) for s in sources])
+    if chosen is None:
         raise CheckpointError(f"the directories' latest tags differ ({names}) and none of those tags is complete in "
                               "every directory; pass --tag")
-    chosen = max(everywhere, key=lambda n: read_meta(sources[0].parent / n).get("global_steps", -1))
     return [s.parent / chosen for s in sources]
 
 

@@ -19,8 +19,8 @@ import torch
 
 from zerodp import comm
 from zerodp.checkpoint import deepspeed
-from zerodp.checkpoint.format import (ENGINE, LATEST, META, CheckpointError, check_tag, copy_from_mapped, on_every_rank,
-                                      read_meta, rng_file, verified_load)
+from zerodp.checkpoint.format import (ENGINE, LATEST, CheckpointError, check_tag, complete_tags, copy_from_mapped,
+                                      newest_everywhere, on_every_rank, read_meta, rng_file, verified_load)
 from zerodp.log import log_rank0, logger
 
 
@@ -74,30 +74,21 @@ def _tag_dir(root: Path, tag: str | None) -> Path | None:
 def _same_tag_on_every_rank(root: Path, tag_dir: Path | None) -> Path | None:
     """The tag every rank loads. Ranks see different `latest` only with a directory per host
     (checkpoint.use_node_local_storage) after a save was interrupted while hosts published: then the
-    newest of their tags that every host holds complete (see save.py's [Note: node-local storage])."""
+    newest of their tags that every host holds complete (format.py's `newest_everywhere`)."""
     names = comm.gather_messages(tag_dir.name if tag_dir is not None else "", max_bytes=512)
     if len(set(names)) == 1:
         return tag_dir
-    candidates = sorted({n for n in names if n})
-    complete = {c: _saved_steps(root / c) for c in candidates if (root / c / META).exists()}
+    complete = complete_tags(root, sorted({n for n in names if n}))
     reports = [json.loads(r or "{}") for r in comm.gather_messages(json.dumps(complete), max_bytes=4096)]
-    everywhere = [c for c in candidates if all(c in report for report in reports)]
+    chosen = newest_everywhere(reports)
     found = {n or "nothing": [r for r, m in enumerate(names) if m == n] for n in dict.fromkeys(names)}
-    if not everywhere:
+    if chosen is None:
         raise CheckpointError(f"the ranks find different checkpoints in {root} (tag: ranks {found}) and no tag is "
                               "complete on every host: copy the newest one to every host, or pass tag=")
-    chosen = max(everywhere, key=lambda c: reports[0][c])
     log_rank0("the ranks find different checkpoints in %s (tag: ranks %s), as after a save interrupted while the "
               "hosts published it; loading %s, the newest one every host holds complete", root, found, chosen,
               level=logging.WARNING)
     return root / chosen
-
-
-def _saved_steps(tag_dir: Path) -> int:
-    try:
-        return int(json.loads((tag_dir / META).read_text()).get("global_steps", -1))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return -1
 
 
 Read = Callable[[str], list]  # a rank file's name -> its saved pieces

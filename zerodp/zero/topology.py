@@ -1,10 +1,10 @@
-"""Which ranks share a machine: the node layout that node-local checkpoints (and, later, hierarchical
-partitioning) are built on.
+"""Which ranks share a machine, and the process groups of hierarchical partitioning at stage 3.
 
 A rank's node is named by its host name and torchrun's node rank (GROUP_RANK): two hosts always differ
 by name; on one machine, hosts made as network namespaces share a name but torchrun gives them
 different node ranks; ranks started without torchrun (one machine) have no node rank. The arithmetic
-(`ranks_by_node`) is pure; `node_layout` gathers every rank's name once.
+(`ranks_by_node`) is pure; `node_layout` gathers every rank's name once. The comm ledger uses the
+layout to count bytes per link, node-local checkpoints to find each host's directory.
 """
 
 from __future__ import annotations
@@ -40,10 +40,6 @@ class NodeLayout:
     def node_of(self, rank: int) -> int:
         """The index of the node that runs `rank`."""
         return next(k for k, ranks in enumerate(self.nodes) if rank in ranks)
-
-    def leader_of(self, rank: int) -> int:
-        """The lowest rank on `rank`'s node (the one that does the node's shared work)."""
-        return self.nodes[self.node_of(rank)][0]
 
     def describe(self, node: int) -> str:
         """'host NAME (ranks A-B)' for messages."""
@@ -108,7 +104,7 @@ def stage3_partition(mics_shard_size: int, hpz_partition_size: int) -> Partition
     """Build the process groups of the configured partition (a collective: every rank calls it, with
     the same sizes; load_config has checked that they divide the world size)."""
     rank, world = comm.get_rank(), comm.get_world_size()
-    if mics_shard_size > 0 and mics_shard_size < world:
+    if 1 < mics_shard_size < world:  # load_config refuses 1 (that would be DDP)
         size = mics_shard_size
         shard_group = _my_group(rank_blocks(world, size), rank)
         replica_group = _my_group(rank_strides(world, size), rank)
