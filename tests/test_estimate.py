@@ -109,9 +109,9 @@ def test_the_command_prints_every_strategy_and_json_holds_the_named_fields(capsy
 @pytest.mark.parametrize("argv,message", [
     (["estimate", "--params", "lots"], "--params 'lots': expected a number of parameters such as 7.5e9 or 7B"),
     (["estimate", "--params", "1e9", "--world-size", "0"], "--world-size 0: expected a positive number of ranks"),
-    (["estimate"], "give MODEL (demo, a Hugging Face config, module:function) or --params N"),
+    (["estimate"], "give MODEL (demo, gpt:..., a Hugging Face config, module:function) or --params N"),
     (["estimate", "demo", "--params", "7B"], "give either MODEL or --params, not both"),
-    (["estimate", "no_such_thing"], "MODEL 'no_such_thing': expected demo, a Hugging Face config"),
+    (["estimate", "no_such_thing"], "MODEL 'no_such_thing': expected demo, gpt:KEY=VALUE,..., a Hugging Face config"),
     (["estimate", "os:getcwd"], "MODEL 'os:getcwd': getcwd() returned a str, not an nn.Module"),
 ])
 def test_bad_arguments_are_named(capsys, argv: list[str], message: str) -> None:

@@ -186,10 +186,13 @@ def _handed_over(tensor: torch.Tensor) -> torch.Tensor:
 class Pending:
     """An async collective: `wait()` blocks until it is done, runs `then` (e.g. copies a result into
     place) and lets go of the backend's work objects. It may stand for several works (gloo's
-    per-owner broadcasts and reduces)."""
+    per-owner broadcasts and reduces). It holds the collective's `tensors` until waited for: a
+    backend may keep them longer (gloo's threads drop their references when they get to it), none
+    may free them sooner, and a simulated rank (zerodp/plan/simulate.py), whose collectives hold
+    nothing, keeps them exactly that long too."""
 
-    def __init__(self, works: list, then: Callable[[], object] | None = None) -> None:
-        self.works, self.then = works, then
+    def __init__(self, works: list, then: Callable[[], object] | None = None, tensors: tuple = ()) -> None:
+        self.works, self.then, self.tensors = works, then, tensors
         _unwaited.add(self)
 
     def is_completed(self) -> bool:
@@ -203,6 +206,7 @@ class Pending:
         if self.then is not None:
             self.then()
             self.then = None
+        self.tensors = ()
         _unwaited.discard(self)
         return True
 
@@ -229,9 +233,17 @@ def _naming_lost_peers() -> Iterator[None]:
                        f"one to read. Backend: {' '.join(str(err).split())[:300]}") from err
 
 
-def _pending(work: dist.Work | None) -> Pending | None:
-    """What an async torch collective becomes (a sync one returns None)."""
-    return None if work is None else Pending([work])
+def free_after_wait(tensor: torch.Tensor) -> None:
+    """Give a temporary's memory back now that the collective it was handed to has been waited for:
+    its storage shrinks to nothing even while a backend thread still holds a reference (gloo drops
+    its own when its thread gets to it), so the peak does not depend on that thread's timing. Only
+    for tensors nothing else views."""
+    tensor.untyped_storage().resize_(0)
+
+
+def _pending(work: dist.Work | None, *tensors: torch.Tensor) -> Pending | None:
+    """What an async torch collective on `tensors` becomes (a sync one returns None)."""
+    return None if work is None else Pending([work], tensors=tensors)
 
 
 def _finish(pending: Pending, async_op: bool) -> Pending | None:
@@ -371,10 +383,21 @@ def backend() -> str | None:
 
 
 def device_for_backend() -> torch.device:
-    """The device tensors must live on for the default group's collectives."""
+    """The device tensors must live on for the default group's collectives (a simulated rank's:
+    `meta`, which stands for its accelerator)."""
     if is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return simulated_device if simulated() else torch.device("cpu")
+
+
+simulated_device = torch.device("meta")
+"""The device a simulated rank trains on (zerodp/plan/simulate.py sets it): meta stands for a GPU."""
+
+
+def simulated() -> bool:
+    """True on the estimator's fake process group (zerodp/plan/simulate.py): collectives move no
+    data, so checks that compare ranks' values have nothing to compare."""
+    return is_initialized() and dist.get_backend() == "fake"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,7 +417,7 @@ def all_reduce(
     """In-place all-reduce of `tensor` over `group`."""
     ledger.record("all_reduce", tensor, group)
     with _naming_lost_peers():
-        return _pending(dist.all_reduce(_handed_over(tensor), op=op, group=group, async_op=async_op))
+        return _pending(dist.all_reduce(_handed_over(tensor), op=op, group=group, async_op=async_op), tensor)
 
 
 def reduce(
@@ -406,7 +429,7 @@ def reduce(
     """Sum `tensor` over ranks into global rank `dst`'s copy (one owner's piece of a reduce-scatter)."""
     ledger.record("reduce", tensor, group)
     with _naming_lost_peers():
-        return _pending(dist.reduce(_handed_over(tensor), dst=dst, group=group, async_op=async_op))
+        return _pending(dist.reduce(_handed_over(tensor), dst=dst, group=group, async_op=async_op), tensor)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
@@ -430,14 +453,14 @@ def all_gather_into_tensor(
     if not _is_gloo(group):
         with _naming_lost_peers():
             return _pending(_all_gather_single(_handed_over(output), _handed_over(input), group=group,
-                                               async_op=async_op))
+                                               async_op=async_op), output, input)
     chunks = output.view(-1).chunk(get_world_size(group))
     mine = chunks[get_rank(group)]
     if mine.data_ptr() != input.data_ptr():  # in place when `input` is already this rank's chunk
         mine.copy_(input.view(-1))
     works = [dist.broadcast(_handed_over(chunk), src=_global(group, r), group=group, async_op=True)
              for r, chunk in enumerate(chunks)]
-    return _finish(Pending(works), async_op)
+    return _finish(Pending(works, tensors=(output, input)), async_op)
 
 
 def reduce_scatter_tensor(
@@ -454,12 +477,12 @@ def reduce_scatter_tensor(
     if not _is_gloo(group):
         with _naming_lost_peers():
             return _pending(_reduce_scatter_single(_handed_over(output), _handed_over(input), op=op, group=group,
-                                                   async_op=async_op))
+                                                   async_op=async_op), output, input)
     chunks = input.view(-1).chunk(get_world_size(group))
     works = [dist.reduce(_handed_over(chunk), dst=_global(group, r), op=op, group=group, async_op=True)
              for r, chunk in enumerate(chunks)]
     mine = chunks[get_rank(group)]
-    return _finish(Pending(works, then=lambda: output.view(-1).copy_(mine)), async_op)
+    return _finish(Pending(works, then=lambda: output.view(-1).copy_(mine), tensors=(output, input)), async_op)
 
 
 # [Note: gloo collectives]
@@ -486,7 +509,10 @@ def all_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -
 
 
 def gather_messages(message: str | None, max_bytes: int = 2048) -> list[str | None]:
-    """Every rank's error message (None: no error), so all ranks can raise the same one."""
+    """Every rank's error message (None: no error), so all ranks can raise the same one (a simulated
+    rank's for every rank)."""
+    if simulated():
+        return [message] * get_world_size()
     data = (message or "").encode()[:max_bytes]
     row = torch.zeros(max_bytes + 1, dtype=torch.uint8, device=device_for_backend())
     row[0] = message is not None

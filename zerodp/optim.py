@@ -136,6 +136,6 @@ def build_optimizer(type_name: str, params: dict, groups: list[dict], device: to
     kwargs = optimizer_kwargs(cls, params)
     accepted = inspect.signature(cls.__init__).parameters
     if "fused" in accepted and "foreach" not in kwargs and "fused" not in kwargs:
-        kwargs["fused"] = device.type in ("cuda", "cpu")
+        kwargs["fused"] = device.type in ("cuda", "cpu", "meta")  # meta: a simulated GPU
     logger.debug("optimizer %s(%s)", cls.__name__, kwargs)
     return cls(groups, **kwargs)

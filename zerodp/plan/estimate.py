@@ -1,13 +1,13 @@
-"""Model states per rank for every ZeRO strategy, before anything runs.
+"""Memory per rank for every ZeRO strategy, before anything runs.
 
-The arithmetic (`model_states`, `flat_states`) is pure: numbers in, numbers out. `module_flats` reads
-a model's shapes into the flat buffers the strategies would build (the model may be on the meta
-device, which `meta_model` builds it on: no weights). The bytes are the memory ledger's
-(zerodp/memory.py) by category and tier, from the same partition arithmetic the strategies allocate
-with (zero/layout.py's `group_layout`), so a prediction and the ledger of the same run agree
-(tests/test_estimate.py). What this module does not predict yet:
-activations and transient buffers (gathered stage-3 units, gradient buckets, the step's fp32
-gradient copy); `zerodp estimate` says so beside its figures.
+The model-state arithmetic (`model_states`, `flat_states`) is pure: numbers in, numbers out.
+`module_flats` reads a model's shapes into the flat buffers the strategies would build (the model may
+be on the meta device: no weights). The bytes are the memory ledger's (zerodp/memory.py) by category
+and tier, from the same partition arithmetic the strategies allocate with (zero/layout.py's
+`group_layout`), so a prediction and the ledger of the same run agree (tests/test_estimate.py). The
+peak with activations and transient buffers comes from simulating the strategy's training step
+(`estimate_rows` with a `Workload`; zerodp/plan/simulate.py). `workload` names the models
+`zerodp estimate` takes.
 
 [Note: the model-state arithmetic]
 Ψ trainable elements in one flat group (a parameter count, or a model's), N ranks, the group padded
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
 from zerodp.memory import CPU, DEVICE, NVME, Category
 from zerodp.zero.layout import group_layout
@@ -58,6 +59,22 @@ class Strategy:
         offload = [f"{what} -> {device}" for what, device in (("optimizer", self.offload_optimizer),
                                                                ("params", self.offload_param)) if device != "none"]
         return f"stage {self.stage}" + (f", offload {', '.join(offload)}" if offload else "")
+
+
+ACTIVATION_CHECKPOINTING = ("none", "blocks", "selective")
+"""The estimator's activation checkpointing policies (zerodp.checkpointing.apply)."""
+
+
+def strategy_config(s: Strategy, micro_batch: int = 1) -> dict:
+    """The DeepSpeed JSON config (a dict) that trains with `s`: AdamW, this micro-batch, no
+    accumulation; nvme offload needs an nvme_path added."""
+    zero: dict = {"stage": s.stage}
+    for key, device in (("offload_optimizer", s.offload_optimizer), ("offload_param", s.offload_param)):
+        if device != "none":
+            zero[key] = {"device": device}
+    precision = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}, "fp32": {}}[s.dtype]
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero, **precision}
 
 
 def every_strategy(dtype: str = "bf16") -> list[Strategy]:
@@ -180,71 +197,170 @@ def deepspeed_estimate(numel: int, num_ranks: int, strategy: Strategy, largest_l
 
 
 def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0,
-                  module: "torch.nn.Module | None" = None) -> list[dict]:
-    """One plain-data row per strategy (`zerodp estimate --json`): model states on the device, in host
-    memory and on NVMe, per rank (rank 0), and DeepSpeed's figure beside. From `module` (on the meta
-    device) its param group and stage-3 units, at DeepSpeed's default thresholds; else one flat group
-    of `numel`. `peak_bytes` is None: activations and transients are not estimated yet."""
+                  module: "torch.nn.Module | None" = None, work: "Workload | None" = None, micro_batch: int = 1,
+                  seq_len: int = 0, policies: tuple[str, ...] = ("none",),
+                  progress: Callable[[str], None] | None = None) -> list[dict]:
+    """One plain-data row per strategy (`zerodp estimate --json`) and activation checkpointing policy:
+    model states on the device, in host memory and on NVMe, per rank (rank 0), DeepSpeed's figure
+    beside, and with `work` (whose `module` was built on the meta device) the peak of one simulated
+    training step at this micro-batch and sequence length (zerodp/plan/simulate.py); else one flat
+    group of `numel` and `peak_bytes` None. `progress(line)` hears of each simulation."""
+    from zerodp.plan.simulate import simulate_strategy
+
+    simulated: dict = {}
+    strategies = every_strategy(dtype)
+    runs = len(policies) * len({_device_twin(s) for s in strategies})
     rows = []
-    for s in every_strategy(dtype):
-        if module is None:
-            states = model_states(numel, num_ranks, s)
-        else:
-            flats = module_flats(module, s.stage, num_ranks, offload_param=s.offload_param)
-            states = flat_states(flats, num_ranks, s, buffer_bytes=buffer_bytes(module))
-        rows.append({"stage": s.stage, "offload_optimizer": s.offload_optimizer, "offload_param": s.offload_param,
-                     "activation_checkpointing": None, "dtype": dtype, "world_size": num_ranks,
-                     "model_states_bytes": states.bytes(DEVICE), "peak_bytes": None, "host_bytes": states.bytes(CPU),
-                     "nvme_bytes": states.bytes(NVME), "by_category": {f"{c} ({t})": b for (c, t), b in states.held.items()},
-                     "deepspeed_bytes": deepspeed_estimate(numel, num_ranks, s, largest_layer),
-                     "strategy": s.describe()})
+    for policy in policies if work is not None else (None,):
+        for s in strategies:
+            if module is None:
+                states = model_states(numel, num_ranks, s)
+            else:
+                flats = module_flats(module, s.stage, num_ranks, offload_param=s.offload_param)
+                states = flat_states(flats, num_ranks, s, buffer_bytes=buffer_bytes(module))
+            row = {"stage": s.stage, "offload_optimizer": s.offload_optimizer, "offload_param": s.offload_param,
+                   "activation_checkpointing": policy, "dtype": dtype, "world_size": num_ranks,
+                   "micro_batch": micro_batch if work is not None else None, "seq_len": seq_len if work is not None else None,
+                   "model_states_bytes": states.bytes(DEVICE), "peak_bytes": None, "host_bytes": states.bytes(CPU),
+                   "nvme_bytes": states.bytes(NVME), "by_category": {f"{c} ({t})": b for (c, t), b in states.held.items()},
+                   "deepspeed_bytes": deepspeed_estimate(numel, num_ranks, s, largest_layer),
+                   "strategy": s.describe()}
+            if work is not None:
+                twin = (_device_twin(s), policy)
+                if twin not in simulated:
+                    if progress is not None:
+                        progress(f"simulating {len(simulated) + 1}/{runs}: {s.describe()}, activation checkpointing {policy}")
+                    simulated[twin] = simulate_strategy(work, s, num_ranks, micro_batch, seq_len, policy)
+                sim = simulated[twin]
+                nvme = "nvme" in (s.offload_optimizer, s.offload_param)
+                row.update(peak_bytes=sim.peak[DEVICE].bytes, peak_phase=sim.peak[DEVICE].phase,
+                           activations_bytes=sim.activations, host_peak_bytes=None if nvme else sim.peak[CPU].bytes)
+            rows.append(row)
     return rows
 
 
-def meta_model(spec: str) -> "torch.nn.Module":
-    """Build `spec` on the meta device (no weights are allocated or read): "demo" (the demo's GPT), a
-    Hugging Face config file or model directory (config.json; transformers needed), or
-    "module:function" returning an nn.Module. ValueError naming the spec otherwise."""
+def _device_twin(s: Strategy) -> tuple:
+    """What the device side of `s` depends on: nvme offload runs the device's code of cpu offload."""
+    return s.stage, s.offload_optimizer != "none", s.offload_param != "none"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model to estimate: `build()` makes it (on whatever device the caller's `torch.device`
+    context sets, meta or fake: shapes only), `inputs(model, micro_batch, seq_len, device)` one
+    micro-batch as (args, kwargs) whose forward returns the loss or an output with `.loss` (None: this
+    model's input is unknown, so only its model states are estimated), `max_seq_len` the longest
+    input it takes (None: unknown)."""
+
+    spec: str
+    build: Callable[[], "torch.nn.Module"]
+    inputs: Callable[["torch.nn.Module", int, int, "torch.device"], tuple[tuple, dict]] | None = None
+    max_seq_len: int | None = None
+    input_method: str | None = None  # the method a built module needs for `inputs` to feed it
+
+    def feeds(self, module: "torch.nn.Module") -> bool:
+        """Whether `inputs` can feed this built module (else only its model states are estimated)."""
+        return self.inputs is not None and (self.input_method is None or hasattr(module, self.input_method))
+
+
+def workload(spec: str) -> Workload:
+    """The workload `spec` names: "demo" (the demo's GPT), "gpt:d_model=1024,n_layer=24,..." (the
+    demo's GPT at other sizes: GPTConfig's fields, the rest as the demo's), a Hugging Face config
+    file or model directory (config.json; transformers needed; a causal LM is fed token ids and
+    labels), or "module:function" returning an nn.Module (fed by its `estimate_inputs(micro_batch,
+    seq_len)` method when it has one, returning (args, kwargs)). ValueError naming the spec otherwise."""
     import importlib
     from pathlib import Path
 
-    import torch
+    if spec == "demo" or spec.startswith("gpt:"):
+        return _gpt_workload(spec)
+    path = Path(spec)
+    if path.is_dir() or path.suffix == ".json":
+        return _hf_workload(path)
+    module_name, _, function = spec.partition(":")
+    if not function:
+        raise ValueError(f"MODEL {spec!r}: expected demo, gpt:KEY=VALUE,..., a Hugging Face config (file or "
+                         "directory) or module:function")
+    try:
+        factory = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"MODEL {spec!r}: {err}") from None
 
-    with torch.device("meta"):
-        if spec == "demo":
-            from zerodp.demo import DEMO_DEFAULT, TinyGPT
+    def build() -> "torch.nn.Module":
+        import torch
 
-            return TinyGPT(DEMO_DEFAULT)
-        path = Path(spec)
-        if path.is_dir() or path.suffix == ".json":
-            return _hf_model(path)
-        module_name, _, function = spec.partition(":")
-        if not function:
-            raise ValueError(f"MODEL {spec!r}: expected demo, a Hugging Face config (file or directory) or "
-                             "module:function")
-        try:
-            made = getattr(importlib.import_module(module_name), function)()
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"MODEL {spec!r}: {err}") from None
+        made = factory()
         if not isinstance(made, torch.nn.Module):
             raise ValueError(f"MODEL {spec!r}: {function}() returned a {type(made).__name__}, not an nn.Module")
         return made
 
+    def inputs(module: "torch.nn.Module", micro_batch: int, seq_len: int, device: "torch.device") -> tuple[tuple, dict]:
+        import torch
 
-def _hf_model(path: "Path") -> "torch.nn.Module":
+        with torch.device(device):
+            args, kwargs = module.estimate_inputs(micro_batch, seq_len)
+        return tuple(args), dict(kwargs)
+
+    return Workload(spec, build, inputs, input_method="estimate_inputs")
+
+
+def _gpt_workload(spec: str) -> Workload:
+    import dataclasses
+
+    import torch
+
+    from zerodp.demo import DEMO_DEFAULT, TinyGPT
+
+    fields = {f.name: f.type for f in dataclasses.fields(DEMO_DEFAULT)}
+    sizes = {}
+    for item in filter(None, spec.partition(":")[2].split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields or not value.strip().lstrip("-").replace(".", "", 1).isdigit():
+            raise ValueError(f"MODEL {spec!r}: {item!r} is not KEY=NUMBER with KEY one of {', '.join(fields)}")
+        sizes[key] = float(value) if "." in value else int(value)
+    config = dataclasses.replace(DEMO_DEFAULT, **sizes)
+
+    def inputs(_: "torch.nn.Module", micro_batch: int, seq_len: int, device: "torch.device") -> tuple[tuple, dict]:
+        ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
+        return (ids, ids), {}
+
+    return Workload(spec, lambda: TinyGPT(config), inputs, config.seq_len)
+
+
+def _hf_workload(path: "Path") -> Workload:
     try:
         import transformers
     except ImportError:
         raise ValueError(f"MODEL {path}: a Hugging Face config needs transformers (pip install transformers)") from None
     if not path.exists() or (path.is_dir() and not (path / "config.json").is_file()):
         raise ValueError(f"MODEL {path}: no config.json there")
+    import torch
+
     config = transformers.AutoConfig.from_pretrained(str(path))
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+    causal = type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+
+    def build() -> "torch.nn.Module":
         try:
             return auto.from_config(config)
-        except ValueError:  # not a causal LM: the base model
-            continue
-    raise ValueError(f"MODEL {path}: transformers builds no model from its config (model_type {config.model_type!r})")
+        except ValueError as err:
+            raise ValueError(f"MODEL {path}: transformers builds no model from its config "
+                             f"(model_type {config.model_type!r}): {err}") from None
+
+    def inputs(_: "torch.nn.Module", micro_batch: int, seq_len: int, device: "torch.device") -> tuple[tuple, dict]:
+        ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
+        return (), {"input_ids": ids, "labels": ids}
+
+    longest = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return Workload(str(path), build, inputs if causal else None, longest)
+
+
+def meta_model(spec: str) -> "torch.nn.Module":
+    """Build `spec` (see `workload`) on the meta device: no weights are allocated or read."""
+    import torch
+
+    with torch.device("meta"):
+        return workload(spec).build()
 
 
 def module_flats(module: "torch.nn.Module", stage: int, num_ranks: int, persistence_threshold: int = 100_000,

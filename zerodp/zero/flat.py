@@ -65,7 +65,8 @@ def prepare_module(module: nn.Module, dtype: torch.dtype, device: torch.device) 
     if dtype == torch.float32 and narrow:
         warn_once(f"casting the model's {sorted(map(str, narrow))} parameters to fp32, which doubles their "
                   'memory: the config enables neither "bf16" nor "fp16"; enable one to train in 16 bits')
-    module.to(device=device)
+    if any(t.device != device for t in [*module.parameters(), *module.buffers()]):
+        module.to(device=device)
     with torch.no_grad():
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != dtype:
@@ -86,6 +87,8 @@ def _broadcast_from_rank0(module: nn.Module) -> None:
             comm.broadcast(flat, src=0)
             for t, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
                 t.copy_(synced)
+            if all(flat.untyped_storage()._cdata != t.untyped_storage()._cdata for t in group):
+                comm.free_after_wait(flat)  # a copy (one tensor's "flat" is the tensor itself)
 
 
 def trainable_in_registration_order(module: nn.Module, param_groups: list[dict]) -> list[nn.Parameter]:

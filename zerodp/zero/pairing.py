@@ -41,7 +41,7 @@ def pass_kind() -> int:
 def check_same_unit(units: list[Unit], unit: Unit) -> None:
     """Every rank is about to gather the same unit in the same kind of pass, else raise naming them
     (one 16-byte all-gather)."""
-    if comm.get_world_size() == 1:
+    if comm.get_world_size() == 1 or comm.simulated():
         return
     row = torch.tensor([unit.index, pass_kind()], dtype=torch.int64, device=comm.device_for_backend())
     rows = comm.all_gather_rows(row).tolist()
@@ -55,7 +55,7 @@ def check_same_unit(units: list[Unit], unit: Unit) -> None:
 
 def check_same_kind_of_forward() -> None:
     """Without the per-gather check (NCCL): one 16-byte all-reduce at each forward of the root."""
-    if comm.get_world_size() == 1:
+    if comm.get_world_size() == 1 or comm.simulated():
         return
     counts = torch.zeros(len(PASS_KINDS), dtype=torch.int64, device=comm.device_for_backend())
     counts[pass_kind()] = 1
@@ -67,7 +67,7 @@ def check_same_kind_of_forward() -> None:
 def check_same_order(trace: UnitTrace, units: list[Unit]) -> None:
     """One tiny all-reduce per backward: [hash, -hash] with MAX differs iff some rank ran its units
     in another order; then every rank's order is gathered and named."""
-    if comm.get_world_size() == 1:
+    if comm.get_world_size() == 1 or comm.simulated():
         return
     digest = trace.digest()
     stats = torch.tensor([digest, -digest], dtype=torch.int64, device=comm.device_for_backend())

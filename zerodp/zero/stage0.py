@@ -77,7 +77,8 @@ class Stage0(Strategy):
             with comm.ledger.outside_step():
                 comm.broadcast(rank0_order, src=0)
         self.ready_order, self.layout_final = [], True
-        new_order = [self.params[i] for i in rank0_order.tolist()]
+        mine = comm.get_rank() == 0 or comm.simulated()  # a simulated rank's order stands for rank 0's
+        new_order = order if mine else [self.params[i] for i in rank0_order.tolist()]
         if any(a is not b for a, b in zip(new_order, self.order)):
             self._layout(new_order)
 

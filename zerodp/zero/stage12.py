@@ -395,6 +395,7 @@ class Stage2(Stage12):
         for r, a, b in owner_pieces(start, stop, fg.layout.shard_numel):
             if r == self.rank:
                 Home.accumulate(fg.owned_grad[a - fg.owned.start : b - fg.owned.start], flight.buffer[a - start : b - start])
+        comm.free_after_wait(flight.buffer)
 
     def after_backward(self, boundary: bool) -> None:
         """Every micro-batch: launch what is left (parameters unused in this backward), wait for all."""

@@ -122,7 +122,7 @@ class Stage3(Strategy):
         self._kept_budget = 0
         self.trace = UnitTrace()
         self._stats: torch.Tensor | None = None
-        self.in_flight: list[tuple[Unit, torch.Tensor, object]] = []
+        self.in_flight: list[tuple[Unit, torch.Tensor, torch.Tensor, object]] = []
         self._all_held = False  # this forward pass runs with every unit held gathered (see _pre_forward)
         self._shard_writes: list = []  # NVMe parameter offload: shard write-backs of the step in flight
 
@@ -421,13 +421,15 @@ class Stage3(Strategy):
             return
         buffer.mul_(1.0 / self.num_ranks)  # mean over every rank, divided before the sum as DDP does
         out = torch.empty(f.layout.shard_numel, dtype=buffer.dtype, device=buffer.device)
-        self.in_flight.append((unit, out, comm.reduce_scatter_tensor(out, buffer, group=unit.group, async_op=True)))
+        work = comm.reduce_scatter_tensor(out, buffer, group=unit.group, async_op=True)
+        self.in_flight.append((unit, out, buffer, work))
         if len(self.in_flight) > MAX_BUCKETS_IN_FLIGHT:
             self._finish_reduce()
 
     def _finish_reduce(self) -> None:
-        unit, out, work = self.in_flight.pop(0)
+        unit, out, buffer, work = self.in_flight.pop(0)
         work.wait()
+        comm.free_after_wait(buffer)
         if self.partition.num_replicas > 1 and not self._replicas_at_boundary:  # MiCS, offloaded grads
             comm.all_reduce(out, group=self.partition.replica_group)
         Home.accumulate(unit.owned_grad, out)  # to the host first when the optimizer is offloaded

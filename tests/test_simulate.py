@@ -1,0 +1,162 @@
+"""The estimator's simulated training step (zerodp/plan/simulate.py) against real runs.
+
+A simulated rank on the CPU must hold what the real rank holds: its peak of live bytes equal to the
+peak the CPU allocator itself reports for the real run (zerodp/plan/measure.py, torch's profiler:
+independent of the dispatch-level count the simulation keeps), and its ledger equal to the real
+ledger byte for byte, at every stage, offload, precision, activation checkpointing policy and rank.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+GPT = "gpt:vocab_size=256,seq_len=64,d_model=128,n_layer=3,n_head=4"
+MICRO_BATCH, SEQ_LEN = 4, 64
+TOLERANCE = 0.02  # the issue's target; the runs below agree far closer (bench/estimate_accuracy.py)
+
+
+def _config(stage: int, dtype: str, offload: str) -> dict:
+    from zerodp.plan.estimate import Strategy, strategy_config
+
+    s = Strategy(stage, offload, offload if stage == 3 else "none", dtype)
+    config = strategy_config(s, MICRO_BATCH)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 1000  # blocks' matrices are units
+    return config
+
+
+def _prepare(policy: str):
+    from zerodp import checkpointing
+
+    return None if policy == "none" else \
+        (lambda model: checkpointing.apply(model, "blocks", selective=policy == "selective"))
+
+
+def _measured(rank: int, world: int, spec: str, stage: int, dtype: str, offload: str, policy: str) -> tuple:
+    from zerodp.plan.estimate import workload
+    from zerodp.plan.measure import measure_training
+
+    work = workload(spec)
+    return measure_training(work.build, _config(stage, dtype, offload),
+                            lambda m, device: work.inputs(m, MICRO_BATCH, SEQ_LEN, device), prepare=_prepare(policy))
+
+
+def _simulated(spec: str, world: int, rank: int, stage: int, dtype: str, offload: str, policy: str):
+    from zerodp.plan.estimate import workload
+    from zerodp.plan.simulate import simulate_training
+
+    work = workload(spec)
+    return simulate_training(work.build, _config(stage, dtype, offload),
+                             lambda m, device: work.inputs(m, MICRO_BATCH, SEQ_LEN, device), world, rank, "cpu",
+                             prepare=_prepare(policy))
+
+
+CASES = [  # (stage, dtype, offload, activation checkpointing)
+    (0, "fp32", "none", "none"),
+    (1, "bf16", "none", "none"),
+    (2, "bf16", "none", "blocks"),
+    (2, "bf16", "cpu", "none"),  # fp16: the CPU's half kernels hold fp32 temporaries of their own (~3% here)
+    (3, "bf16", "none", "none"),
+    (3, "fp32", "none", "selective"),
+    (3, "bf16", "cpu", "blocks"),
+]
+
+
+@pytest.mark.parametrize("stage,dtype,offload,policy", CASES)
+def test_a_simulated_rank_peaks_where_the_real_rank_s_allocator_does(stage: int, dtype: str, offload: str,
+                                                                     policy: str) -> None:
+    """The demo's GPT (3 blocks, 4 x 64 tokens), 2 ranks, CPU: the simulation's peak of live bytes
+    over two steps is the real run's (what the allocator handed out and not yet taken back), and
+    its ledger is the real one."""
+    real = run_ranks(_measured, 2, args=(GPT, stage, dtype, offload, policy))
+    for rank, (peak, held) in enumerate(real):
+        sim = _simulated(GPT, 2, rank, stage, dtype, offload, policy)
+        assert sim.memory["held"] == held, rank
+        assert abs(sim.peak["total"].bytes - peak) <= TOLERANCE * peak, (rank, sim.peak["total"], peak)
+
+
+def test_a_hugging_face_llama_from_its_config(tmp_path) -> None:
+    """transformers' own Llama (grouped-query attention, rotary buffers, its loss), stage 3, bf16."""
+    import transformers
+
+    transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    real = run_ranks(_measured, 2, args=(str(tmp_path), 3, "bf16", "none", "none"))
+    for rank, (peak, held) in enumerate(real):
+        sim = _simulated(str(tmp_path), 2, rank, 3, "bf16", "none", "none")
+        assert sim.memory["held"] == held
+        assert abs(sim.peak["total"].bytes - peak) <= TOLERANCE * peak, (rank, sim.peak["total"], peak)
+
+
+def test_attention_on_the_simulated_gpu_keeps_o_of_s_not_the_score_matrix() -> None:
+    """On meta (the simulated GPU) attention runs as flash attention: the bytes one forward leaves for
+    backward grow linearly with the sequence (twice the tokens, twice the bytes, to the rounding of
+    the loss's scalars); the math path's s x s scores would grow them about fourfold at this width."""
+    from zerodp.plan.estimate import Strategy, workload
+    from zerodp.plan.simulate import simulate_strategy
+
+    work = workload("gpt:vocab_size=64,seq_len=2048,d_model=64,n_layer=2,n_head=8")
+    short, long = (simulate_strategy(work, Strategy(0), 1, 1, seq, "none").activations for seq in (1024, 2048))
+    assert 1.9 < long / short < 2.1, (short, long)
+
+
+def test_simulating_1024_ranks_gives_stage_3_s_one_1024th() -> None:
+    """Any world size on one CPU: at 1,024 ranks a stage-3 rank holds 1/1024 of the sharded model
+    states the ledger predicts, from the same code that trains."""
+    from zerodp.memory import DEVICE
+    from zerodp.plan.estimate import Strategy, buffer_bytes, flat_states, meta_model, module_flats, workload
+    from zerodp.plan.simulate import simulate_strategy
+
+    spec = "gpt:vocab_size=256,seq_len=64,d_model=256,n_layer=2,n_head=4"
+    sim = simulate_strategy(workload(spec), Strategy(3), 1024, 1, 64)
+    model = meta_model(spec)
+    flats = module_flats(model, 3, 1024)
+    predicted = flat_states(flats, 1024, Strategy(3), buffer_bytes=buffer_bytes(model))
+    assert sim.memory["model_states"] + sim.memory["held"].get("buffer", {}).get("device", 0) == predicted.bytes(DEVICE)
+    assert sim.peak[DEVICE].bytes > sim.memory["model_states"]
+
+
+def test_zerodp_estimate_reports_the_simulated_peak(capsys) -> None:
+    from zerodp.cli import main
+
+    assert main(["estimate", "demo", "--world-size", "2", "--micro-batch", "2", "--activation-checkpointing",
+                 "none,blocks", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 32 and {r["activation_checkpointing"] for r in rows} == {"none", "blocks"}
+    for r in rows:
+        assert r["peak_bytes"] > r["model_states_bytes"] and r["micro_batch"] == 2 and r["seq_len"] == 32
+        assert r["peak_phase"] in ("forward", "backward", "step")
+    by = {(r["stage"], r["offload_optimizer"], r["offload_param"], r["activation_checkpointing"]): r for r in rows}
+    assert by[(2, "none", "none", "blocks")]["activations_bytes"] < by[(2, "none", "none", "none")]["activations_bytes"]
+    # nvme offload's device side is cpu offload's; its host memory is the ledger's, not simulated
+    assert by[(2, "nvme", "none", "none")]["peak_bytes"] == by[(2, "cpu", "none", "none")]["peak_bytes"]
+    assert by[(2, "nvme", "none", "none")]["host_peak_bytes"] is None
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["estimate", "demo", "--seq-len", "33"], "--seq-len 33: demo takes at most 32 tokens"),
+    (["estimate", "demo", "--micro-batch", "0"], "--micro-batch 0: expected a positive number of samples"),
+    (["estimate", "demo", "--activation-checkpointing", "some"], "--activation-checkpointing some: expected all or"),
+    (["estimate", "--params", "7B", "--seq-len", "128"], "--micro-batch/--seq-len: --params gives model states only"),
+])
+def test_bad_shapes_are_named(capsys, argv: list[str], message: str) -> None:
+    from zerodp.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_private_torch_pieces_the_simulation_stands_on() -> None:
+    """Pinned: if torch moves them, this fails first (and simulated_world raises SimulationUnavailable)."""
+    from torch.optim import optimizer as optimizer_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+
+    assert "cuda" in optimizer_module._get_fused_kernels_supported_devices()
+    assert hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention")
+    with torch.profiler.profile(profile_memory=True) as prof:
+        torch.empty(1000)
+    assert any(e.name() == "[memory]" and e.nbytes() == 4000 for e in prof.profiler.kineto_results.events())

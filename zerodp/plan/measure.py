@@ -1,0 +1,110 @@
+"""The peak of a real run's live tensor bytes on the CPU, from the allocator's own accounting.
+
+    with AllocatorTrace() as trace:
+        model = build()                      # allocations from here on are counted
+        engine, *_ = zerodp.initialize(...)
+        trace.mark("train")
+        ...train...
+    trace.peak_since("train")                # the most bytes live at once after the mark
+
+This is the estimator's independent check (bench/estimate_accuracy.py, tests/test_simulate.py): the
+simulation (zerodp/plan/simulate.py) counts storages as torch's dispatcher creates them on fake
+tensors; this counts what c10's CPU allocator actually hands out and takes back while the real run
+executes, as torch's profiler records it (`profile_memory=True`: one event per allocation and free,
+storage resizes included, with its byte count), so kernel-internal temporaries that never pass
+through Python dispatch are in it too. Allocations made before the trace starts are not; what gloo
+or the C library allocate outside c10 is not either. On CUDA use `torch.cuda.max_memory_allocated`.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+_MARK = "zerodp.measure.mark:"
+
+
+class AllocatorTrace:
+    """Every CPU allocation and free between enter and exit, with named marks in between."""
+
+    def __init__(self) -> None:
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._events: list[tuple[int, int]] = []  # (start ns, +bytes allocated / -bytes freed)
+        self._marks: dict[str, int] = {}
+
+    def __enter__(self) -> "AllocatorTrace":
+        self._profile.__enter__()
+        return self
+
+    def mark(self, name: str) -> None:
+        """A point in time `peak_since(name)` counts from (after collecting garbage, so tensors in
+        reference cycles that are already unreachable do not count)."""
+        gc.collect()
+        with record_function(_MARK + name):
+            pass
+
+    def __exit__(self, *exc: Any) -> None:
+        self._profile.__exit__(*exc)
+        for event in self._profile.profiler.kineto_results.events():
+            if event.name() == "[memory]":
+                self._events.append((event.start_ns(), event.nbytes()))
+            elif event.name().startswith(_MARK):
+                self._marks[event.name()[len(_MARK):]] = event.start_ns()
+        self._events.sort()
+
+    def live_at(self, name: str) -> int:
+        """Bytes allocated inside the trace and still live at the mark."""
+        when = self._marks[name]
+        return sum(delta for start, delta in self._events if start <= when)
+
+    def live_at_peak(self, name: str, min_bytes: int) -> list[tuple[int, int]]:
+        """(ns after the mark it was allocated at, bytes) of every allocation of at least `min_bytes`
+        live at the peak after the mark, for finding what made a peak."""
+        when, live, peak, at = self._marks[name], 0, -1, 0
+        for i, (start, delta) in enumerate(self._events):
+            live += delta
+            if start > when and live > peak:
+                peak, at = live, i
+        alive: dict[int, list] = {}
+        for start, delta in self._events[: at + 1]:
+            if delta > 0:
+                alive.setdefault(delta, []).append(start)
+            elif alive.get(-delta):
+                alive[-delta].pop()
+        return sorted((t - when, size) for size, times in alive.items() if size >= min_bytes for t in times)
+
+    def peak_since(self, name: str) -> int:
+        """The most bytes live at once (allocated inside the trace) from the mark to the end."""
+        when, live, peak = self._marks[name], 0, None
+        for start, delta in self._events:
+            live += delta
+            if start > when:
+                peak = live if peak is None else max(peak, live)
+        return self.live_at(name) if peak is None else max(peak, self.live_at(name))
+
+
+def measure_training(build: Any, config: dict, batch: Any, steps: int = 2, prepare: Any = None) -> tuple[int, dict]:
+    """The real counterpart of zerodp.plan.simulate.simulate_training, on this rank of the process
+    group that exists: (the peak of live bytes over `steps` optimizer steps after initialize, from
+    the allocator, and the engine's ledger `held`). Same arguments as simulate_training's."""
+    import zerodp
+
+    with AllocatorTrace() as trace:
+        model = build()
+        if prepare is not None:
+            prepare(model)
+        engine, *_ = zerodp.initialize(model=model, config=config)
+        del model
+        zerodp.comm.drain_pending()  # gloo's threads let go of initialize's tensors when they get to it
+        trace.mark("train")
+        for _ in range(steps):
+            for _ in range(engine.gradient_accumulation_steps()):
+                args, kwargs = batch(engine.module, engine.device)
+                out = engine(*args, **kwargs)
+                engine.backward(out if isinstance(out, torch.Tensor) else out.loss)
+                del out
+            engine.step()
+    return trace.peak_since("train"), engine.memory_report()["held"]
