@@ -118,7 +118,8 @@ def main() -> None:
                 try:
                     real = measure(spec, case, args.micro_batch, args.seq_len)
                 except RuntimeError as err:  # reported, not fatal to the matrix
-                    reason = str(err).strip().splitlines()[-1][:300]
+                    errors = [line for line in str(err).splitlines() if "Error" in line and "ChildFailed" not in line]
+                    reason = (errors or str(err).strip().splitlines())[-1].split("]: ")[-1][:300]
                     rows.append({"model": name, "stage": case[0], "dtype": case[1], "offload": case[2],
                                  "activation_checkpointing": case[3], "ranks": case[4], "failed": reason})
                     print(f"{name:<14} stage {case[0]} {case[1]} offload {case[2]:<4} ckpt {case[3]:<9} {case[4]} ranks: "

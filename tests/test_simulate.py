@@ -160,3 +160,18 @@ def test_the_private_torch_pieces_the_simulation_stands_on() -> None:
     with torch.profiler.profile(profile_memory=True) as prof:
         torch.empty(1000)
     assert any(e.name() == "[memory]" and e.nbytes() == 4000 for e in prof.profiler.kineto_results.events())
+
+
+def test_a_simulation_does_not_check_this_machine_s_memory(monkeypatch) -> None:
+    """The estimate is for another machine: neither the device limit nor this host's free memory
+    (the offload preflight) refuses a simulated run that would not fit here."""
+    from zerodp.plan.estimate import Strategy, workload
+    from zerodp.plan.simulate import simulate_strategy
+
+    def no_room_here(*args, **kwargs):
+        raise ValueError("this machine has no room")
+
+    monkeypatch.setenv("ZERODP_DEVICE_MEMORY_LIMIT", "1kB")
+    monkeypatch.setattr("zerodp.offload.cpu.check_host_memory", no_room_here)
+    sim = simulate_strategy(workload("demo"), Strategy(3, "cpu", "cpu"), 2, 1, 32)
+    assert sim.peak["cpu"].bytes > 1000 and sim.peak["device"].bytes > 1000

@@ -67,9 +67,10 @@ def initialize(
     forward_only = forward_only_reason(model, model_parameters, optimizer, cfg.optimizer)
     groups = [] if forward_only else param_groups_from(model, model_parameters, optimizer)
     _check_partitioning(model, cfg)
-    preflight_offload(cfg, sum(full_numel(p) for g in groups for p in g["params"]))
-    if not forward_only:  # an engine that trains: its model states are the estimator's
-        preflight_memory(cfg, model, {p for g in groups for p in g["params"]}, cfg.batch.world_size)
+    if not comm.simulated():  # this machine's memory says nothing about the one a simulation estimates
+        preflight_offload(cfg, sum(full_numel(p) for g in groups for p in g["params"]))
+        if not forward_only:  # an engine that trains: its model states are the estimator's
+            preflight_memory(cfg, model, {p for g in groups for p in g["params"]}, cfg.batch.world_size)
     if dist_init_required is False and not comm.is_initialized():
         raise ValueError("dist_init_required=False but torch.distributed is not initialised")
     comm.init_distributed()
