@@ -8,6 +8,8 @@
     zerodp ckpt convert ds_ckpt/ out/ --to zerodp # a DeepSpeed ZeRO checkpoint as a zerodp one
     zerodp ckpt gather h0/ckpt h1/ckpt --out ckpt # one checkpoint from a node-local save's host directories
     zerodp estimate --params 7B --world-size 64   # model states per rank for every strategy
+    zerodp estimate demo --world-size 2           # ... and the peak of a simulated training step
+    zerodp doctor zerodp_oom/                     # the OOM doctor's reports of a run that ran out of memory
 """
 
 from __future__ import annotations
@@ -108,6 +110,12 @@ def _parser() -> argparse.ArgumentParser:
                           help="parameters of the largest module, for DeepSpeed's stage-3 figure beside zerodp's")
     estimate.add_argument("--json", action="store_true", help="print one JSON object per strategy")
     estimate.set_defaults(func=_cmd_estimate)
+
+    doctor = sub.add_parser("doctor", help="show the OOM doctor's reports of a run that ran out of device memory")
+    doctor.add_argument("path", metavar="LOGDIR_OR_REPORT",
+                        help="a report (rank0.json) or the directory of them ($ZERODP_DOCTOR_DIR, default ./zerodp_oom)")
+    doctor.add_argument("--json", action="store_true", help="print the reports as JSON")
+    doctor.set_defaults(func=_cmd_doctor)
 
     demo = sub.add_parser("demo", help="train a small GPT on a synthetic task, then show the memory ledger")
     demo.add_argument("--nproc", type=_positive_int, default=2, help="processes (ranks) to launch (default 2)")
@@ -385,6 +393,18 @@ def _print_estimate(args: argparse.Namespace, rows: list[dict], numel: int, worl
           "parameter / ranks) and, at stage 3, 4 bytes per parameter of the largest layer (--largest-layer), which "
           "zerodp counts as transients. Parameters offloaded to nvme stay in host memory up to offload_param.max_in_cpu "
           "(1e9) elements per rank")
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from zerodp.plan.doctor import format_report, load_reports
+
+    try:
+        reports = load_reports(args.path)
+    except ValueError as err:
+        print(f"zerodp doctor: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(reports, indent=1) if args.json else "\n\n".join(format_report(r) for r in reports))
+    return EXIT_OK
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from zerodp.log import log_rank0, logger
 from zerodp.memory import DEVICE, Category
 from zerodp.offload.park import ParkedStorages
 from zerodp.optim import NoOptimizer
+from zerodp.plan.doctor import Doctor
 from zerodp.precision import make_loss_scaler, overflow_message
 from zerodp.timers import ThroughputTimer, Timers
 from zerodp.zero.base import Strategy
@@ -85,6 +86,7 @@ class Engine(nn.Module):
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
         self._manual_scales = 0  # engine.scale(loss) calls since the last step, for loss.backward()
         strategy.implicit_backward_boundary = lambda: self.is_gradient_accumulation_boundary() and not self._no_sync
+        self.doctor = Doctor(self)  # out of memory in forward, backward or step: one report (zerodp/plan/doctor.py)
         _clear_strategy_grads_on_module_zero_grad(module, self)
 
     def __getattr__(self, name: str) -> Any:
@@ -224,7 +226,7 @@ class Engine(nn.Module):
         self._check_resident("forward")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
-        with self.timers("fwd"), self._explained_errors(), \
+        with self.timers("fwd"), self._explained_errors(), self.doctor.watching("forward"), \
                 checkpointing.count_saved_activations(self._param_storages, self.count_activations) as saved:
             out = self.module(*args, **kwargs)
         if saved.total > sum(self._saved_peak.values()):
@@ -257,7 +259,7 @@ class Engine(nn.Module):
         detached = loss.detach().float()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._num_losses += 1
-        with self.timers("bwd"), self._explained_errors():
+        with self.timers("bwd"), self._explained_errors(), self.doctor.watching("backward"):
             self.strategy.begin_backward(boundary)
             to_backward = scaled * self.loss_scaler.loss_scale if self.loss_scaler.loss_scale != 1.0 else scaled
             global _engine_backwards_running
@@ -302,7 +304,7 @@ class Engine(nn.Module):
         self._in_step = True
         try:
             if self.is_gradient_accumulation_boundary():
-                with self.timers("step"):
+                with self.timers("step"), self.doctor.watching("step"):
                     self._take_model_step(lr_kwargs)
         finally:
             self._in_step = False

@@ -74,11 +74,12 @@ class Peak:
 
 @dataclass
 class LiveBytes(TorchDispatchMode):
-    """Bytes of every live storage created under it, by tier (device: on `device_type`, cpu: the
-    rest, host memory), with each tier's peak and the peak of their sum ("total"); `.item()`
-    answers 0 (see [Note: simulating a rank])."""
+    """Bytes of every live storage created under it (or given to `track`), by tier (device: on
+    `device_type`, cpu: the rest, host memory), with each tier's peak and the peak of their sum
+    ("total"); on fake tensors `.item()` answers 0 (see [Note: simulating a rank])."""
 
     device_type: str = "meta"
+    answer_scalars: bool = True  # fake tensors have no values; a real run's count (the doctor's) reads them
     live: dict[str, int] = field(default_factory=lambda: {DEVICE: 0, CPU: 0})
     peak: dict[str, Peak] = field(default_factory=lambda: {DEVICE: Peak(), CPU: Peak(), TOTAL: Peak()})
     phase: str = "initialize"
@@ -88,7 +89,7 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if self.answer_scalars and func is torch.ops.aten._local_scalar_dense.default:
             return False if args[0].dtype == torch.bool else 0.0 if args[0].is_floating_point() else 0
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
@@ -97,17 +98,22 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
+        self._register(t.untyped_storage(), t.device.type, 0)
+
+    def _register(self, storage: torch.UntypedStorage, device_type: str, counted: int) -> None:
         key = id(storage)
         if key not in self.sizes:
-            self.sizes[key] = (DEVICE if t.device.type == self.device_type else CPU, 0)
+            self.sizes[key] = (DEVICE if device_type == self.device_type else CPU, counted)
             weakref.finalize(storage, self._freed, key)
         self.resized(storage)
 
-    def resized(self, storage: torch.UntypedStorage) -> None:
-        """Count a tracked storage's current size (after an op or a resize_)."""
+    def resized(self, storage: torch.UntypedStorage, before: int | None = None) -> None:
+        """Count a tracked storage's current size (after an op or a resize_; a storage first seen
+        in a resize_ from `before` bytes is tracked from then on)."""
         known = self.sizes.get(id(storage))
         if known is None:
+            if before is not None:
+                self._register(storage, storage.device.type, before)
             return
         tier, before = known
         now = storage.nbytes()
@@ -147,22 +153,31 @@ def simulated_world(world_size: int, rank: int = 0, device: str = "meta") -> Ite
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     comm.simulated_device = torch.device(device)
     recorder = LiveBytes(device)
+    try:
+        with _fused_kernels_on(device), FakeTensorMode(allow_non_fake_inputs=True), counting_resizes(recorder), \
+                recorder, _gpu_attention():
+            yield recorder
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = excepthook
+
+
+@contextmanager
+def counting_resizes(recorder: LiveBytes) -> Iterator[None]:
+    """`UntypedStorage.resize_` (which does not pass through dispatch) tells `recorder` while inside."""
     resize = torch.UntypedStorage.resize_
 
     def tracked_resize(storage: torch.UntypedStorage, size: int) -> Any:
+        before = storage.nbytes()
         out = resize(storage, size)
-        recorder.resized(storage)
+        recorder.resized(storage, before)
         return out
 
     torch.UntypedStorage.resize_ = tracked_resize
     try:
-        with _fused_kernels_on(device), FakeTensorMode(allow_non_fake_inputs=True), recorder, \
-                _gpu_attention():
-            yield recorder
+        yield
     finally:
         torch.UntypedStorage.resize_ = resize
-        dist.destroy_process_group()
-        sys.excepthook = excepthook
 
 
 @contextmanager
