@@ -191,10 +191,12 @@ def test_models_from_the_demo_a_hugging_face_config_and_a_function(tmp_path, cap
     config.save_pretrained(tmp_path)
     numel = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
     for model in (str(tmp_path), str(tmp_path / "config.json")):
-        assert main(["estimate", model, "--world-size", "8"]) == 0
+        assert main(["estimate", model, "--world-size", "8", "--model-states-only"]) == 0
         assert f"{numel:,} trainable parameters" in capsys.readouterr().out
-    assert main(["estimate", "demo"]) == 0
+    assert main(["estimate", "demo", "--model-states-only"]) == 0
     assert "demo: 805,632 trainable parameters" in capsys.readouterr().out
+    assert main(["estimate", "demo", "--model-states-only", "--seq-len", "8"]) == 2
+    assert "--model-states-only skips the step" in capsys.readouterr().err
 
 
 def _start_demo(rank: int, world: int, stage: int) -> str:
