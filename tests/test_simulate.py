@@ -175,3 +175,34 @@ def test_a_simulation_does_not_check_this_machine_s_memory(monkeypatch) -> None:
     monkeypatch.setattr("zerodp.offload.cpu.check_host_memory", no_room_here)
     sim = simulate_strategy(workload("demo"), Strategy(3, "cpu", "cpu"), 2, 1, 32)
     assert sim.peak["cpu"].bytes > 1000 and sim.peak["device"].bytes > 1000
+
+
+class _DataDependent(torch.nn.Module):
+    """A forward whose output shape depends on values (torch.nonzero): fake tensors cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x)[torch.nonzero(x > 0).flatten()].sum()
+
+    def estimate_inputs(self, micro_batch: int, seq_len: int) -> tuple:
+        return (torch.ones(8),), {}
+
+
+def data_dependent() -> torch.nn.Module:
+    """For `zerodp estimate tests.test_simulate:data_dependent`."""
+    return _DataDependent()
+
+
+def test_a_model_the_simulation_cannot_run_keeps_its_model_states_and_says_why(capsys) -> None:
+    from zerodp.cli import main
+
+    assert main(["estimate", "tests.test_simulate:data_dependent", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert all(r["peak_bytes"] is None and "peak_error" in r and r["model_states_bytes"] > 0 for r in rows)
+    assert main(["estimate", "tests.test_simulate:data_dependent"]) == 0
+    out = capsys.readouterr()
+    assert "peak not estimated ('-') where the simulated step failed" in out.out
+    assert "the simulated step failed" in out.err

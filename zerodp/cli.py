@@ -385,6 +385,9 @@ def _print_estimate(args: argparse.Namespace, rows: list[dict], numel: int, worl
             [r["host_bytes"], r["nvme_bytes"], r["deepspeed_bytes"]]
         print(f"  {r['strategy']:<{width}} " + (f"{r['activation_checkpointing']:<{policy_width}}" if peaks else "")
               + " ".join(f"{'-' if b is None else f'{b / scale:.2f}':>12}" for b in cells))
+    failed = sorted({r["peak_error"] for r in rows if r.get("peak_error")})
+    if failed:
+        print(f"peak not estimated ('-') where the simulated step failed: {'; '.join(failed)}")
     if peaks:
         print("peak: the most bytes live at once on the device over two simulated training steps (zerodp's "
               "own engine on fake tensors: model states, activations, gathered units, buckets, the step's gradient copy; "

@@ -205,7 +205,7 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
     beside, and with `work` (whose `module` was built on the meta device) the peak of one simulated
     training step at this micro-batch and sequence length (zerodp/plan/simulate.py); else one flat
     group of `numel` and `peak_bytes` None. `progress(line)` hears of each simulation."""
-    from zerodp.plan.simulate import simulate_strategy
+    from zerodp.plan.simulate import SimulationUnavailable, simulate_strategy
 
     simulated: dict = {}
     strategies = every_strategy(dtype)
@@ -230,8 +230,19 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
                 if twin not in simulated:
                     if progress is not None:
                         progress(f"simulating {len(simulated) + 1}/{runs}: {s.describe()}, activation checkpointing {policy}")
-                    simulated[twin] = simulate_strategy(work, s, num_ranks, micro_batch, seq_len, policy)
+                    try:
+                        simulated[twin] = simulate_strategy(work, s, num_ranks, micro_batch, seq_len, policy)
+                    except (ValueError, SimulationUnavailable):
+                        raise
+                    except Exception as err:  # noqa: BLE001 - the model's code under fake tensors: reported per row
+                        simulated[twin] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+                        if progress is not None:
+                            progress(f"  the simulated step failed ({simulated[twin]}); model states only for it")
                 sim = simulated[twin]
+                if isinstance(sim, str):
+                    row.update(peak_error=sim)
+                    rows.append(row)
+                    continue
                 nvme = "nvme" in (s.offload_optimizer, s.offload_param)
                 row.update(peak_bytes=sim.peak[DEVICE].bytes, peak_phase=sim.peak[DEVICE].phase,
                            activations_bytes=sim.activations, host_peak_bytes=None if nvme else sim.peak[CPU].bytes)
