@@ -205,8 +205,6 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
     beside, and with `work` (whose `module` was built on the meta device) the peak of one simulated
     training step at this micro-batch and sequence length (zerodp/plan/simulate.py); else one flat
     group of `numel` and `peak_bytes` None. `progress(line)` hears of each simulation."""
-    from zerodp.plan.simulate import SimulationUnavailable, simulate_strategy
-
     simulated: dict = {}
     strategies = every_strategy(dtype)
     runs = len(policies) * len({_device_twin(s) for s in strategies})
@@ -226,28 +224,34 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
                    "deepspeed_bytes": deepspeed_estimate(numel, num_ranks, s, largest_layer),
                    "strategy": s.describe()}
             if work is not None:
-                twin = (_device_twin(s), policy)
-                if twin not in simulated:
-                    if progress is not None:
-                        progress(f"simulating {len(simulated) + 1}/{runs}: {s.describe()}, activation checkpointing {policy}")
-                    try:
-                        simulated[twin] = simulate_strategy(work, s, num_ranks, micro_batch, seq_len, policy)
-                    except (ValueError, SimulationUnavailable):
-                        raise
-                    except Exception as err:  # noqa: BLE001 - the model's code under fake tensors: reported per row
-                        simulated[twin] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
-                        if progress is not None:
-                            progress(f"  the simulated step failed ({simulated[twin]}); model states only for it")
-                sim = simulated[twin]
-                if isinstance(sim, str):
-                    row.update(peak_error=sim)
-                    rows.append(row)
-                    continue
-                nvme = "nvme" in (s.offload_optimizer, s.offload_param)
-                row.update(peak_bytes=sim.peak[DEVICE].bytes, peak_phase=sim.peak[DEVICE].phase,
-                           activations_bytes=sim.activations, host_peak_bytes=None if nvme else sim.peak[CPU].bytes)
+                row.update(_peak_fields(simulated, work, s, num_ranks, micro_batch, seq_len, policy, runs, progress))
             rows.append(row)
     return rows
+
+
+def _peak_fields(cache: dict, work: "Workload", s: Strategy, num_ranks: int, micro_batch: int, seq_len: int,
+                 policy: str, runs: int, progress: Callable[[str], None] | None) -> dict:
+    """A row's simulated fields, simulating the device twin of `s` once (`cache`). A model whose step
+    cannot run on fake tensors gets `peak_error` instead (ValueError, a bad input, is raised)."""
+    from zerodp.plan.simulate import SimulationUnavailable, simulate_strategy
+
+    say = progress or (lambda line: None)
+    twin = (_device_twin(s), policy)
+    if twin not in cache:
+        say(f"simulating {len(cache) + 1}/{runs}: {s.describe()}, activation checkpointing {policy}")
+        try:
+            cache[twin] = simulate_strategy(work, s, num_ranks, micro_batch, seq_len, policy)
+        except (ValueError, SimulationUnavailable):
+            raise
+        except Exception as err:  # noqa: BLE001 - the model's own code under fake tensors: reported per row
+            cache[twin] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+            say(f"  the simulated step failed ({cache[twin]}); model states only for it")
+    sim = cache[twin]
+    if isinstance(sim, str):
+        return {"peak_error": sim}
+    nvme = "nvme" in (s.offload_optimizer, s.offload_param)
+    return {"peak_bytes": sim.peak[DEVICE].bytes, "peak_phase": sim.peak[DEVICE].phase,
+            "activations_bytes": sim.activations, "host_peak_bytes": None if nvme else sim.peak[CPU].bytes}
 
 
 def _device_twin(s: Strategy) -> tuple:
