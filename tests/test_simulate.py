@@ -123,12 +123,13 @@ def test_simulating_1024_ranks_gives_stage_3_s_one_1024th() -> None:
 def test_zerodp_estimate_reports_the_simulated_peak(capsys) -> None:
     from zerodp.cli import main
 
-    assert main(["estimate", "demo", "--world-size", "2", "--micro-batch", "2", "--activation-checkpointing",
+    small = "gpt:vocab_size=64,seq_len=16,d_model=32,n_layer=2,n_head=2"
+    assert main(["estimate", small, "--world-size", "2", "--micro-batch", "2", "--activation-checkpointing",
                  "none,blocks", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 32 and {r["activation_checkpointing"] for r in rows} == {"none", "blocks"}
     for r in rows:
-        assert r["peak_bytes"] > r["model_states_bytes"] and r["micro_batch"] == 2 and r["seq_len"] == 32
+        assert r["peak_bytes"] > r["model_states_bytes"] and r["micro_batch"] == 2 and r["seq_len"] == 16
         assert r["peak_phase"] in ("forward", "backward", "step")
     by = {(r["stage"], r["offload_optimizer"], r["offload_param"], r["activation_checkpointing"]): r for r in rows}
     assert by[(2, "none", "none", "blocks")]["activations_bytes"] < by[(2, "none", "none", "none")]["activations_bytes"]
