@@ -122,20 +122,43 @@ def test_simulating_1024_ranks_gives_stage_3_s_one_1024th() -> None:
 
 def test_zerodp_estimate_reports_the_simulated_peak(capsys) -> None:
     from zerodp.cli import main
+    from zerodp.plan.estimate import Strategy, workload
+    from zerodp.plan.simulate import simulate_strategy
 
     small = "gpt:vocab_size=64,seq_len=16,d_model=32,n_layer=2,n_head=2"
-    assert main(["estimate", small, "--world-size", "2", "--micro-batch", "2", "--activation-checkpointing",
-                 "none,blocks", "--json"]) == 0
+    assert main(["estimate", small, "--world-size", "2", "--micro-batch", "2", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 32 and {r["activation_checkpointing"] for r in rows} == {"none", "blocks"}
+    assert len(rows) == 16 and {r["activation_checkpointing"] for r in rows} == {"none"}
     for r in rows:
         assert r["peak_bytes"] > r["model_states_bytes"] and r["micro_batch"] == 2 and r["seq_len"] == 16
         assert r["peak_phase"] in ("forward", "backward", "step")
-    by = {(r["stage"], r["offload_optimizer"], r["offload_param"], r["activation_checkpointing"]): r for r in rows}
-    assert by[(2, "none", "none", "blocks")]["activations_bytes"] < by[(2, "none", "none", "none")]["activations_bytes"]
+    by = {(r["stage"], r["offload_optimizer"], r["offload_param"]): r for r in rows}
     # nvme offload's device side is cpu offload's; its host memory is the ledger's, not simulated
-    assert by[(2, "nvme", "none", "none")]["peak_bytes"] == by[(2, "cpu", "none", "none")]["peak_bytes"]
-    assert by[(2, "nvme", "none", "none")]["host_peak_bytes"] is None
+    assert by[(2, "nvme", "none")]["peak_bytes"] == by[(2, "cpu", "none")]["peak_bytes"]
+    assert by[(2, "nvme", "none")]["host_peak_bytes"] is None
+    saved = {policy: simulate_strategy(workload(small), Strategy(2), 2, 2, 16, policy).activations
+             for policy in ("none", "blocks")}
+    assert saved["blocks"] < saved["none"] == by[(2, "none", "none")]["activations_bytes"]
+
+
+def test_stage_2_s_bucket_holds_every_gradient_of_a_model_smaller_than_it() -> None:
+    """docs/memory.md's finding, on a smaller GPT: with DeepSpeed's default reduce_bucket_size (5e8
+    elements, more than the model) stage 2's backward packs every gradient at once, so most of what
+    stage 2 saves at the peak needs a bucket smaller than the model (on the 110M GPT the docs show,
+    the default saves 0.5% over stage 1)."""
+    from zerodp.plan.estimate import Strategy, strategy_config, workload
+    from zerodp.plan.simulate import simulate_training
+
+    work = workload("gpt:vocab_size=256,seq_len=64,d_model=128,n_layer=4,n_head=4")
+    peaks = {}
+    for stage, bucket in [(1, None), (2, None), (2, 20_000)]:
+        config = strategy_config(Strategy(stage), micro_batch=2)
+        if bucket:
+            config["zero_optimization"]["reduce_bucket_size"] = bucket
+        sim = simulate_training(work.build, config, lambda model, device: work.inputs(model, 2, 64, device), 8)
+        peaks[(stage, bucket)] = sim.peak["device"].bytes
+    assert peaks[(1, None)] > peaks[(2, None)] > peaks[(2, 20_000)], peaks
+    assert peaks[(2, None)] - peaks[(2, 20_000)] > peaks[(1, None)] - peaks[(2, None)], peaks
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
                                "for a 70B model)")
     estimate.add_argument("--largest-layer", default="0", metavar="N",
                           help="parameters of the largest module, for DeepSpeed's stage-3 figure beside zerodp's")
-    estimate.add_argument("--json", action="store_true", help="print one JSON object per strategy")
+    estimate.add_argument("--json", action="store_true", help="print one JSON object per strategy and checkpointing policy")
     estimate.set_defaults(func=_cmd_estimate)
 
     doctor = sub.add_parser("doctor", help="show the OOM doctor's reports of a run that ran out of device memory")
