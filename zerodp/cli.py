@@ -295,8 +295,6 @@ def _count(text: str) -> int | None:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    import torch
-
     from zerodp.plan.estimate import ACTIVATION_CHECKPOINTING, estimate_rows, workload
 
     problems, module, work = [], None, None
@@ -307,8 +305,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     elif args.model is not None:
         try:
             work = workload(args.model)
-            with torch.device("meta"):
-                module = work.build()
+            module = work.meta()
         except ValueError as err:
             problems.append(str(err))
     numel = _count(args.params) if args.params is not None else None

@@ -12,8 +12,9 @@ the module running), the ledger by category at that moment, the bytes beyond mod
 (activations and temporaries), the allocator's reserved-but-unallocated gap on CUDA, what dominates,
 and the remedies in order with what each saves: model states from the estimator's arithmetic (exact,
 zerodp/plan/estimate.py), activations as about half per halved micro-batch. It is written to
-$ZERODP_DOCTOR_DIR (default ./zerodp_oom) as rank{R}.json and raised on the rank that ran out; the
-other ranks stop when their next collective finds the rank gone (comm.PeerGone), not at a timeout.
+$ZERODP_DOCTOR_DIR (default ./zerodp_oom) as rank{R}.json and raised on the rank that ran out. When
+every rank crosses the limit at the same op, each reports (tests/test_doctor.py); when only one does,
+the others are left to zerodp's handling of a lost peer at their next collective (not tested here).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from zerodp import comm
 from zerodp.memory import DEVICE
 from zerodp.plan.estimate import Strategy, decimal_size, every_strategy
-from zerodp.plan.preflight import LIMIT_ENV, _device_bytes, _strategy_of
+from zerodp.plan.preflight import LIMIT_ENV, device_bytes, limit_from_env, strategy_of
 from zerodp.plan.simulate import LiveBytes, counting_resizes
 
 DIR_ENV = "ZERODP_DOCTOR_DIR"
@@ -66,11 +67,8 @@ class Doctor:
     """Watches one engine's phases; see the module docstring."""
 
     def __init__(self, engine: Any) -> None:
-        from zerodp.checkpoint.convert import parse_size
-
         self.engine = engine
-        text = os.environ.get(LIMIT_ENV)
-        self.limit = parse_size(text, what=f"${LIMIT_ENV}") if text else None
+        self.limit = limit_from_env()
         self.watch: _LimitWatch | None = None
         if self.limit is not None and engine.device.type != "cuda" and not comm.simulated():  # CUDA: its allocator's
             self.watch = _LimitWatch(engine.device.type, self.limit)
@@ -83,23 +81,23 @@ class Doctor:
     @contextmanager
     def watching(self, phase: str) -> Iterator[None]:
         """Run `phase` ("forward", "backward", "step"); out of memory inside becomes OutOfMemoryDiagnosed."""
-        from torch.utils.module_tracker import ModuleTracker
-
-        watch = self.watch
-        tracker = ModuleTracker() if watch is not None and phase == "forward" else nullcontext()
+        watch, tracker = self.watch, None
         try:
-            if watch is None:
+            if watch is None:  # CUDA, or no limit: only the allocator's own error to catch
                 yield
             else:
+                from torch.utils.module_tracker import ModuleTracker
+
+                tracker = ModuleTracker() if phase == "forward" else None
                 watch.phase, watch.armed = phase, True
                 try:
-                    with counting_resizes(watch), watch, tracker:
+                    with counting_resizes(watch), watch, tracker or nullcontext():
                         yield
                 finally:
                     watch.armed = False
         except (torch.OutOfMemoryError, DeviceLimitExceeded) as err:
             live = watch.live[DEVICE] if watch is not None else None
-            module = _innermost(tracker.parents) if isinstance(tracker, ModuleTracker) else None
+            module = _innermost(tracker.parents) if tracker is not None else None
             report = self.report(phase, module, live, err)
             where = save_report(report)
             report["saved_to"] = str(where)
@@ -124,21 +122,21 @@ class Doctor:
                 "held": held, "transient_peak": memory["transient_peak"], "model_states_device_bytes": device_states,
                 "beyond_model_states_bytes": beyond, "cuda_allocated_bytes": allocated, "cuda_reserved_bytes": reserved,
                 "dominant": max(parts, key=parts.get), "parts": parts,
-                "remedies": self._remedies(phase, parts, beyond, memory)}
+                "remedies": self._remedies(phase, parts, beyond, memory, (reserved or 0) - (allocated or 0), reserved)}
 
-    def _remedies(self, phase: str, parts: dict, beyond: int, memory: dict) -> list[dict]:
+    def _remedies(self, phase: str, parts: dict, beyond: int, memory: dict, gap: int, reserved: int | None) -> list[dict]:
         """In order: what dominates first; each with the bytes per rank it would save."""
         engine, config = self.engine, self.engine.config
-        now = _strategy_of(config)
+        now = strategy_of(config)
         trainable = {p for p in engine.module.parameters() if p.requires_grad}
         states: list[dict] = []
         if trainable:
-            current = _device_bytes(config, engine.module, trainable, comm.get_world_size(), now)
+            current = device_bytes(config, engine.module, trainable, comm.get_world_size(), now)
             offload_helps = engine.device.type != "cpu"  # on a CPU the host memory is the device's
             for s in every_strategy(now.dtype):
                 offloads = {s.offload_optimizer, s.offload_param} - {"none"}
                 if s.stage >= now.stage and s != now and "nvme" not in offloads and (offload_helps or not offloads):
-                    saved = current - _device_bytes(config, engine.module, trainable, comm.get_world_size(), s)
+                    saved = current - device_bytes(config, engine.module, trainable, comm.get_world_size(), s)
                     if saved > 0:
                         states.append({"remedy": _config_change(now, s), "saves_bytes": saved, "exact": True})
             states.sort(key=lambda r: (-r["saves_bytes"], r["remedy"]))
@@ -159,11 +157,9 @@ class Doctor:
                       for name, b in memory["transient_peak"].items()
                       if (key := _TRANSIENT_KEYS.get(name)) and b > 0.05 * max(1, memory["model_states"])]
         fragmentation = []
-        if torch.cuda.is_available() and self.engine.device.type == "cuda":
-            gap = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-            if gap > 0.1 * max(1, torch.cuda.memory_reserved()):
-                fragmentation.append({"remedy": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved but "
-                                                f"unallocated: {decimal_size(gap)})", "saves_bytes": gap, "exact": False})
+        if reserved is not None and gap > 0.1 * max(1, reserved):  # CUDA: reserved but unallocated
+            fragmentation.append({"remedy": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved but "
+                                            f"unallocated: {decimal_size(gap)})", "saves_bytes": gap, "exact": False})
         first = activations if beyond >= max(parts["parameters and gradients"],
                                              parts["optimizer state and fp32 masters"]) else states
         rest = states if first is activations else activations

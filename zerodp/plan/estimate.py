@@ -55,6 +55,11 @@ class Strategy:
     offload_param: str = "none"
     dtype: str = "bf16"
 
+    def device_twin(self) -> "Strategy":
+        """The strategy whose device side runs the same code: nvme offload's is cpu offload's."""
+        return Strategy(self.stage, "cpu" if self.offload_optimizer == "nvme" else self.offload_optimizer,
+                        "cpu" if self.offload_param == "nvme" else self.offload_param, self.dtype)
+
     def describe(self) -> str:
         offload = [f"{what} -> {device}" for what, device in (("optimizer", self.offload_optimizer),
                                                                ("params", self.offload_param)) if device != "none"]
@@ -207,7 +212,7 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
     group of `numel` and `peak_bytes` None. `progress(line)` hears of each simulation."""
     simulated: dict = {}
     strategies = every_strategy(dtype)
-    runs = len(policies) * len({_device_twin(s) for s in strategies})
+    runs = len(policies) * len({s.device_twin() for s in strategies})
     rows = []
     for policy in policies if work is not None else (None,):
         for s in strategies:
@@ -236,7 +241,7 @@ def _peak_fields(cache: dict, work: "Workload", s: Strategy, num_ranks: int, mic
     from zerodp.plan.simulate import SimulationUnavailable, simulate_strategy
 
     say = progress or (lambda line: None)
-    twin = (_device_twin(s), policy)
+    twin = (s.device_twin(), policy)
     if twin not in cache:
         say(f"simulating {len(cache) + 1}/{runs}: {s.describe()}, activation checkpointing {policy}")
         try:
@@ -254,11 +259,6 @@ def _peak_fields(cache: dict, work: "Workload", s: Strategy, num_ranks: int, mic
             "activations_bytes": sim.activations, "host_peak_bytes": None if nvme else sim.peak[CPU].bytes}
 
 
-def _device_twin(s: Strategy) -> tuple:
-    """What the device side of `s` depends on: nvme offload runs the device's code of cpu offload."""
-    return s.stage, s.offload_optimizer != "none", s.offload_param != "none"
-
-
 @dataclass(frozen=True)
 class Workload:
     """A model to estimate: `build()` makes it (on whatever device the caller's `torch.device`
@@ -272,6 +272,13 @@ class Workload:
     inputs: Callable[["torch.nn.Module", int, int, "torch.device"], tuple[tuple, dict]] | None = None
     max_seq_len: int | None = None
     input_method: str | None = None  # the method a built module needs for `inputs` to feed it
+
+    def meta(self) -> "torch.nn.Module":
+        """The model on the meta device: no weights are allocated or read."""
+        import torch
+
+        with torch.device("meta"):
+            return self.build()
 
     def feeds(self, module: "torch.nn.Module") -> bool:
         """Whether `inputs` can feed this built module (else only its model states are estimated)."""
@@ -372,10 +379,7 @@ def _hf_workload(path: "Path") -> Workload:
 
 def meta_model(spec: str) -> "torch.nn.Module":
     """Build `spec` (see `workload`) on the meta device: no weights are allocated or read."""
-    import torch
-
-    with torch.device("meta"):
-        return workload(spec).build()
+    return workload(spec).meta()
 
 
 def module_flats(module: "torch.nn.Module", stage: int, num_ranks: int, persistence_threshold: int = 100_000,

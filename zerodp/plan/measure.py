@@ -21,7 +21,6 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 _MARK = "zerodp.measure.mark:"
@@ -55,35 +54,16 @@ class AllocatorTrace:
                 self._marks[event.name()[len(_MARK):]] = event.start_ns()
         self._events.sort()
 
-    def live_at(self, name: str) -> int:
-        """Bytes allocated inside the trace and still live at the mark."""
-        when = self._marks[name]
-        return sum(delta for start, delta in self._events if start <= when)
-
-    def live_at_peak(self, name: str, min_bytes: int) -> list[tuple[int, int]]:
-        """(ns after the mark it was allocated at, bytes) of every allocation of at least `min_bytes`
-        live at the peak after the mark, for finding what made a peak."""
-        when, live, peak, at = self._marks[name], 0, -1, 0
-        for i, (start, delta) in enumerate(self._events):
-            live += delta
-            if start > when and live > peak:
-                peak, at = live, i
-        alive: dict[int, list] = {}
-        for start, delta in self._events[: at + 1]:
-            if delta > 0:
-                alive.setdefault(delta, []).append(start)
-            elif alive.get(-delta):
-                alive[-delta].pop()
-        return sorted((t - when, size) for size, times in alive.items() if size >= min_bytes for t in times)
-
     def peak_since(self, name: str) -> int:
         """The most bytes live at once (allocated inside the trace) from the mark to the end."""
         when, live, peak = self._marks[name], 0, None
         for start, delta in self._events:
+            if start > when and peak is None:
+                peak = live  # what was live at the mark
             live += delta
-            if start > when:
-                peak = live if peak is None else max(peak, live)
-        return self.live_at(name) if peak is None else max(peak, self.live_at(name))
+            if peak is not None:
+                peak = max(peak, live)
+        return live if peak is None else peak
 
 
 def measure_training(build: Any, config: dict, batch: Any, steps: int = 2, prepare: Any = None) -> tuple[int, dict]:
@@ -91,6 +71,7 @@ def measure_training(build: Any, config: dict, batch: Any, steps: int = 2, prepa
     group that exists: (the peak of live bytes over `steps` optimizer steps after initialize, from
     the allocator, and the engine's ledger `held`). Same arguments as simulate_training's."""
     import zerodp
+    from zerodp.plan.simulate import train_steps
 
     with AllocatorTrace() as trace:
         model = build()
@@ -100,11 +81,5 @@ def measure_training(build: Any, config: dict, batch: Any, steps: int = 2, prepa
         del model
         zerodp.comm.drain_pending()  # gloo's threads let go of initialize's tensors when they get to it
         trace.mark("train")
-        for _ in range(steps):
-            for _ in range(engine.gradient_accumulation_steps()):
-                args, kwargs = batch(engine.module, engine.device)
-                out = engine(*args, **kwargs)
-                engine.backward(out if isinstance(out, torch.Tensor) else out.loss)
-                del out
-            engine.step()
+        train_steps(engine, batch, steps)
     return trace.peak_since("train"), engine.memory_report()["held"]

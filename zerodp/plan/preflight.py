@@ -26,14 +26,20 @@ class PreflightError(ValueError):
     """The run's model states alone exceed the device memory it may use."""
 
 
-def device_memory_limit(module: torch.nn.Module) -> tuple[int, str] | None:
-    """(bytes the run may use on its device, where that figure comes from), or None when unknown. On
-    CUDA: the free memory plus what `module` already holds there (the engine reuses or frees it)."""
+def limit_from_env() -> int | None:
+    """The bytes $ZERODP_DEVICE_MEMORY_LIMIT sets (ValueError naming it when unreadable), or None."""
     from zerodp.checkpoint.convert import parse_size
 
     text = os.environ.get(LIMIT_ENV)
-    if text:
-        return parse_size(text, what=f"${LIMIT_ENV}"), f"${LIMIT_ENV}={text}"
+    return parse_size(text, what=f"${LIMIT_ENV}") if text else None
+
+
+def device_memory_limit(module: torch.nn.Module) -> tuple[int, str] | None:
+    """(bytes the run may use on its device, where that figure comes from), or None when unknown. On
+    CUDA: the free memory plus what `module` already holds there (the engine reuses or frees it)."""
+    limit = limit_from_env()
+    if limit is not None:
+        return limit, f"${LIMIT_ENV}={os.environ[LIMIT_ENV]}"
     if torch.cuda.is_available():
         device = int(os.environ.get("LOCAL_RANK", "0"))
         free, _ = torch.cuda.mem_get_info(device)
@@ -51,29 +57,31 @@ def preflight_memory(config: Any, module: torch.nn.Module, trainable: set, world
     if limit is None:
         return
     limit_bytes, source = limit
-    needed = _device_bytes(config, module, trainable, world_size, _strategy_of(config))
+    needed = device_bytes(config, module, trainable, world_size, strategy_of(config))
     if needed <= limit_bytes:
         return
     fits = [(s, b) for s in every_strategy(config.precision)
-            if (b := _device_bytes(config, module, trainable, world_size, s)) <= limit_bytes]
+            if (b := device_bytes(config, module, trainable, world_size, s)) <= limit_bytes]
     alternatives = ", ".join(f"{s.describe()} ({decimal_size(b)})" for s, b in sorted(fits, key=lambda x: -x[1])[:4])
     raise PreflightError(
         f"initialize() refused to start: the model states alone need {decimal_size(needed)} per rank on the device at "
-        f"{_strategy_of(config).describe()} ({world_size} ranks, {config.precision}), more than the "
+        f"{strategy_of(config).describe()} ({world_size} ranks, {config.precision}), more than the "
         f"{decimal_size(limit_bytes)} of {source}; activations and buffers come on top. "
         + (f"Strategies whose model states fit: {alternatives}. " if fits else
            "No strategy's model states fit at this world size: use more ranks. ")
         + f"(`zerodp estimate` shows every strategy; {SWITCH_ENV}=0 skips this check)")
 
 
-def _strategy_of(config: Any) -> Strategy:
+def strategy_of(config: Any) -> Strategy:
+    """The estimator's Strategy of a loaded config."""
     zero = config.zero_optimization
     devices = [getattr(section, "device", "none") if section is not None else "none"
                for section in (zero.offload_optimizer, zero.offload_param)]
     return Strategy(zero.stage, devices[0], devices[1] if zero.stage == 3 else "none", config.precision)
 
 
-def _device_bytes(config: Any, module: torch.nn.Module, trainable: set, world_size: int, s: Strategy) -> int:
+def device_bytes(config: Any, module: torch.nn.Module, trainable: set, world_size: int, s: Strategy) -> int:
+    """Model-state bytes `s` puts on the device for `module` under `config`'s thresholds."""
     zero = config.zero_optimization
     flats = module_flats(module, s.stage, world_size, int(zero.stage3_param_persistence_threshold),
                          int(zero.stage3_model_persistence_threshold), s.offload_param, trainable)
