@@ -9,6 +9,7 @@
     zerodp ckpt gather h0/ckpt h1/ckpt --out ckpt # one checkpoint from a node-local save's host directories
     zerodp estimate --params 7B --world-size 64   # model states per rank for every strategy
     zerodp estimate demo --world-size 2           # ... and the peak of a simulated training step
+    zerodp plan demo --gpus-per-node 8 --seq-len 32 --global-batch 256  # the configs that fit, fastest first
     zerodp doctor zerodp_oom/                     # the OOM doctor's reports of a run that ran out of memory
 """
 
@@ -113,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
                           help="parameters of the largest module, for DeepSpeed's stage-3 figure beside zerodp's")
     estimate.add_argument("--json", action="store_true", help="print one JSON object per strategy and checkpointing policy")
     estimate.set_defaults(func=_cmd_estimate)
+
+    from zerodp import cli_plan
+
+    cli_plan.add_parser(sub, cli_plan.cmd_plan)
 
     doctor = sub.add_parser("doctor", help="show the OOM doctor's reports of a run that ran out of device memory")
     doctor.add_argument("path", metavar="LOGDIR_OR_REPORT",

@@ -70,15 +70,15 @@ ACTIVATION_CHECKPOINTING = ("none", "blocks", "selective")
 """The estimator's activation checkpointing policies (zerodp.checkpointing.apply)."""
 
 
-def strategy_config(s: Strategy, micro_batch: int = 1) -> dict:
-    """The DeepSpeed JSON config (a dict) that trains with `s`: AdamW, this micro-batch, no
-    accumulation; nvme offload needs an nvme_path added."""
+def strategy_config(s: Strategy, micro_batch: int = 1, accumulation: int = 1) -> dict:
+    """The DeepSpeed JSON config (a dict) that trains with `s`: AdamW, this micro-batch and
+    gradient accumulation (default none); nvme offload needs an nvme_path added."""
     zero: dict = {"stage": s.stage}
     for key, device in (("offload_optimizer", s.offload_optimizer), ("offload_param", s.offload_param)):
         if device != "none":
             zero[key] = {"device": device}
     precision = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}, "fp32": {}}[s.dtype]
-    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero, **precision}
 
 

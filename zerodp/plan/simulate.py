@@ -226,14 +226,40 @@ def _fused_kernels_on(device_type: str) -> Iterator[None]:
         optimizer_module._get_fused_kernels_supported_devices = supported
 
 
+@dataclass(frozen=True)
+class CommVolume:
+    """Collectives one rank ran, per op ("all_gather", "reduce_scatter", ...): bytes as the comm
+    ledger counts them (zerodp/comm.py: all-reduce twice its tensor) and calls."""
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    @staticmethod
+    def of(records: dict) -> "CommVolume":
+        """The volume of a comm ledger phase (records keyed by (op, dtype))."""
+        out = CommVolume()
+        for (op, _), rec in records.items():
+            out.bytes[op] = out.bytes.get(op, 0) + rec.bytes
+            out.calls[op] = out.calls.get(op, 0) + rec.calls
+        return out
+
+    def minus(self, other: "CommVolume") -> "CommVolume":
+        return CommVolume({op: b - other.bytes.get(op, 0) for op, b in self.bytes.items()},
+                          {op: c - other.calls.get(op, 0) for op, c in self.calls.items()})
+
+
 @dataclass
 class Simulation:
     """What one simulated rank held while training: peaks by tier (device, cpu), the engine's
-    memory report (the ledger) and the device bytes one micro-batch's forward left for backward."""
+    memory report (the ledger), the device bytes one micro-batch's forward left for backward, and
+    the collectives of the last optimizer step (`step_comm`) and of one of its micro-batches before
+    the last (`micro_comm`; None without gradient accumulation)."""
 
     peak: dict[str, Peak]
     memory: dict
     activations: int
+    step_comm: CommVolume = field(default_factory=CommVolume)
+    micro_comm: CommVolume | None = None
 
 
 def simulate_training(build: Any, config: dict, batch: Any, world_size: int, rank: int = 0, device: str = "meta",
@@ -260,13 +286,19 @@ def simulate_training(build: Any, config: dict, batch: Any, world_size: int, ran
             del model
             world.start_training()
             live_at: dict[str, int] = {}
+            sent_before: list[CommVolume] = []  # the step's collectives so far, as each forward starts
 
             def enter(phase: str) -> None:
                 world.phase, live_at[phase] = phase, world.live[DEVICE]
+                if phase == "forward":
+                    sent_before.append(CommVolume.of(comm.ledger.current))
 
             train_steps(engine, batch, steps, enter)
             activations = live_at["backward"] - live_at["forward"]  # what the last forward left for backward
-            return Simulation(dict(world.peak), engine.memory_report(), activations)
+            accumulation = engine.gradient_accumulation_steps()
+            micro = sent_before[-1].minus(sent_before[-2]) if accumulation > 1 else None
+            return Simulation(dict(world.peak), engine.memory_report(), activations,
+                              CommVolume.of(comm.ledger.last_step), micro)
     finally:
         logging.disable(before_disabled)
 
@@ -276,24 +308,26 @@ def train_steps(engine: Any, batch: Any, steps: int, enter: Any = None) -> None:
     the loss or with `.loss`); `enter(phase)` hears "forward", "backward", "step" as each starts
     (the simulation and zerodp/plan/measure.py's real run share this loop)."""
     enter = enter or (lambda phase: None)
-    for _ in range(steps):
-        for _ in range(engine.gradient_accumulation_steps()):
-            args, kwargs = batch(engine.module, engine.device)
-            enter("forward")
-            out = engine(*args, **kwargs)
-            enter("backward")
-            engine.backward(out if isinstance(out, torch.Tensor) else out.loss)
-            del out
-        enter("step")
-        engine.step()
+    for _ in range(steps * engine.gradient_accumulation_steps()):
+        args, kwargs = batch(engine.module, engine.device)
+        enter("forward")
+        out = engine(*args, **kwargs)
+        enter("backward")
+        engine.backward(out if isinstance(out, torch.Tensor) else out.loss)
+        del out
+        if engine.is_gradient_accumulation_boundary():
+            enter("step")
+        engine.step()  # after every micro-batch, as DeepSpeed's loop; it steps at the boundary
 
 
 def simulate_strategy(work: "Workload", strategy: "Strategy", world_size: int, micro_batch: int, seq_len: int,
-                      activation_checkpointing: str = "none", device: str = "meta", rank: int = 0) -> Simulation:
+                      activation_checkpointing: str = "none", device: str = "meta", rank: int = 0,
+                      accumulation: int = 1, zero: dict | None = None) -> Simulation:
     """Simulate `strategy` training `work` (zerodp/plan/estimate.py) at this micro-batch and sequence
     length, with activation checkpointing "none", "blocks" (every repeated block) or "selective"
-    (blocks, keeping matmul and attention outputs). NVMe offload runs as CPU offload: the device
-    runs the same code either way; what differs is in host memory and files, which the ledger gives."""
+    (blocks, keeping matmul and attention outputs), `accumulation` micro-batches per step (default 1)
+    and `zero`'s zero_optimization keys on top (bucket sizes). NVMe offload runs as CPU offload: the
+    device runs the same code either way; what differs is in host memory and files, which the ledger gives."""
     from zerodp import checkpointing
     from zerodp.plan.estimate import strategy_config
 
@@ -304,5 +338,7 @@ def simulate_strategy(work: "Workload", strategy: "Strategy", world_size: int, m
         if activation_checkpointing != "none":
             checkpointing.apply(model, "blocks", selective=activation_checkpointing == "selective")
 
-    return simulate_training(work.build, strategy_config(strategy.device_twin(), micro_batch), lambda m, dev: work.inputs(m, micro_batch, seq_len, dev),
+    config = strategy_config(strategy.device_twin(), micro_batch, accumulation)
+    config["zero_optimization"].update(zero or {})
+    return simulate_training(work.build, config, lambda m, dev: work.inputs(m, micro_batch, seq_len, dev),
                              world_size, rank, device, prepare=prepare)

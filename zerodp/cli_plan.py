@@ -1,0 +1,180 @@
+"""`zerodp plan`: its arguments and its output (the search is zerodp/plan/planner.py).
+
+    zerodp plan demo --gpus-per-node 8 --nodes 2 --gpu-memory 80GB --seq-len 32 --global-batch 256
+    zerodp plan docs/models/llama-7b --gpu h100 --nodes 4 --seq-len 2048 --global-batch 512 --output ds.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+EXIT_OK, EXIT_USAGE = 0, 2
+
+# flag -> (Cluster field, kind, help); kind "size": 80GB, "rate": 300GB (bytes/s), "float", "int"
+CLUSTER_FLAGS = {
+    "--gpus-per-node": ("gpus_per_node", "int", "ranks (GPUs) per node (default 8)"),
+    "--nodes": ("nodes", "int", "nodes (default 1)"),
+    "--gpu-memory": ("gpu_memory_bytes", "size", "memory per GPU, e.g. 80GB (default: the --gpu preset's)"),
+    "--host-memory": ("host_memory_bytes", "size", "host memory per node (default 1TB)"),
+    "--nvme": ("nvme_bytes", "size", "NVMe space per node for offload (default none: no NVMe candidates)"),
+    "--tflops": ("peak_flops", "tflops", "dense peak TFLOP/s per GPU in the training dtype (default: the preset's)"),
+    "--efficiency": ("efficiency", "float", "fraction of the peak a large micro-batch reaches (default 0.45)"),
+    "--micro-batch-overhead": ("micro_batch_overhead", "float", "seconds per micro-batch beyond its FLOPs (default 0.005)"),
+    "--intra-node-bandwidth": ("intra_node_bandwidth", "rate", "ring bandwidth per GPU inside a node, e.g. 300GB "
+                               "(bytes/s; default: the preset's NVLink)"),
+    "--inter-node-bandwidth": ("inter_node_bandwidth", "rate", "bandwidth per GPU across nodes (default 25GB: 200 Gbit/s)"),
+    "--latency": ("collective_latency", "float", "seconds per collective call (default 3e-05)"),
+    "--overlap": ("overlap", "float", "fraction of min(communication, compute) hidden behind compute (default 0.8)"),
+    "--host-device-bandwidth": ("host_device_bandwidth", "rate", "host-GPU copy bandwidth per GPU (default: the preset's PCIe)"),
+    "--disk-bandwidth": ("disk_bandwidth", "rate", "NVMe bandwidth per node (default 3GB)"),
+    "--device-adam-rate": ("device_adam_rate", "float", "Adam elements per second on a GPU (default: memory bandwidth / 28 B)"),
+    "--host-adam-rate": ("host_adam_rate", "float", "Adam elements per second on a node's CPU cores (default 2e9)"),
+    "--headroom": ("headroom", "float", "fraction of GPU memory kept free for fragmentation and the CUDA context (default 0.1)"),
+}
+
+
+def add_parser(sub: argparse._SubParsersAction, func) -> None:
+    plan = sub.add_parser("plan", help="the ZeRO configs that fit a cluster, fastest first; the best as DeepSpeed JSON",
+                          description="Simulates zerodp's engine at the cluster's world size for every strategy "
+                          "(stage, offload, activation checkpointing) and finds the largest micro-batch that fits; "
+                          "ranks them by a predicted step time (docs/memory.md, 'Planning a run').")
+    plan.add_argument("model", metavar="MODEL", help="as for zerodp estimate: demo, gpt:KEY=VALUE,..., a Hugging Face "
+                      "config file or directory, or module:function")
+    plan.add_argument("--gpu", default="h100", help="a preset: a100-40gb, a100-80gb, h100, h200, or cpu (ranks on CPU "
+                      "cores with gloo); flags below override its figures (default h100)")
+    plan.add_argument("--seq-len", required=True, metavar="L", help="tokens per sample")
+    plan.add_argument("--global-batch", required=True, metavar="B", help="samples per optimizer step, all ranks together")
+    plan.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="precision (default bf16)")
+    plan.add_argument("--activation-checkpointing", default="none,blocks", metavar="POLICIES",
+                      help="policies to try, comma-separated: none, blocks, selective (default none,blocks)")
+    for flag, (_, _, text) in CLUSTER_FLAGS.items():
+        plan.add_argument(flag, default=None, help=text)
+    plan.add_argument("--exhaustive", action="store_true", help="simulate dominated candidates too (slower)")
+    plan.add_argument("--top", type=int, default=10, help="candidates shown (default 10)")
+    plan.add_argument("--output", default=None, metavar="PATH", help="write the best candidate as a DeepSpeed JSON config")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=func)
+
+
+def cluster_from(args: argparse.Namespace, problems: list[str]) -> "Cluster | None":
+    """The Cluster the flags describe; problems appended (naming the flag) instead of raising."""
+    from zerodp.checkpoint.convert import parse_size
+    from zerodp.plan.cluster import gpu_cluster
+
+    overrides: dict = {}
+    for flag, (name, kind, _) in CLUSTER_FLAGS.items():
+        text = getattr(args, flag[2:].replace("-", "_"))
+        if text is None:
+            continue
+        try:
+            if kind in ("size", "rate"):
+                value = parse_size(text, what=flag)
+            else:
+                value = int(text) if kind == "int" else float(text) * (1e12 if kind == "tflops" else 1)
+                if not value > 0 and not (name in ("overlap", "headroom") and value == 0):
+                    raise ValueError
+                if name in ("overlap", "headroom", "efficiency") and value > 1:
+                    raise ValueError
+        except ValueError as err:
+            problems.append(str(err) if kind in ("size", "rate") else
+                            f"{flag} {text!r}: expected a {'whole number >= 1' if kind == 'int' else 'number > 0'}"
+                            + (" and <= 1" if name in ("overlap", "headroom", "efficiency") else ""))
+            continue
+        overrides[name] = value
+    try:
+        return gpu_cluster(args.gpu, **overrides)
+    except ValueError as err:
+        problems.append(str(err))
+        return None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from zerodp.plan.estimate import ACTIVATION_CHECKPOINTING, workload
+    from zerodp.plan.planner import plan
+
+    problems: list[str] = []
+    cluster = cluster_from(args, problems)
+    work = None
+    try:
+        work = workload(args.model)
+    except ValueError as err:
+        problems.append(str(err))
+    seq_len, global_batch = (_whole(getattr(args, k)) for k in ("seq_len", "global_batch"))
+    if seq_len is None:
+        problems.append(f"--seq-len {args.seq_len!r}: expected a whole number of tokens >= 1")
+    elif work is not None and work.max_seq_len is not None and seq_len > work.max_seq_len:
+        problems.append(f"--seq-len {seq_len}: {args.model} takes at most {work.max_seq_len} tokens")
+    if global_batch is None:
+        problems.append(f"--global-batch {args.global_batch!r}: expected a whole number of samples >= 1")
+    elif cluster is not None and global_batch % cluster.world_size:
+        problems.append(f"--global-batch {global_batch}: not a multiple of the {cluster.world_size} ranks "
+                        f"(--gpus-per-node {cluster.gpus_per_node} x --nodes {cluster.nodes})")
+    policies = tuple(dict.fromkeys(args.activation_checkpointing.split(",")))
+    if any(p not in ACTIVATION_CHECKPOINTING for p in policies):
+        problems.append(f"--activation-checkpointing {args.activation_checkpointing}: expected a comma-separated list "
+                        f"of {', '.join(ACTIVATION_CHECKPOINTING)}")
+    if problems:
+        print("zerodp plan: " + "; ".join(problems), file=sys.stderr)
+        return EXIT_USAGE
+    say = lambda line: print(f"zerodp plan: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        result = plan(work, cluster, seq_len, global_batch, args.dtype, policies, args.exhaustive, say)
+    except ValueError as err:
+        print(f"zerodp plan: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    best = result.candidates[0] if result.candidates else None
+    if args.output and best is not None:
+        with open(args.output, "w") as f:
+            json.dump(best.ds_config(global_batch), f, indent=2)
+            f.write("\n")
+    if args.json:
+        print(json.dumps({"cluster": asdict(cluster), "seq_len": seq_len, "global_batch": global_batch,
+                          "candidates": [c.as_dict() for c in result.candidates], "left_out": result.left_out,
+                          "why": result.why(), "best_config": best.ds_config(global_batch) if best else None,
+                          "simulations": result.simulations}, indent=1))
+    else:
+        _print_plan(args, result)
+    return EXIT_OK if best is not None else 1
+
+
+def _whole(text: str) -> int | None:
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value >= 1 else None
+
+
+def _print_plan(args: argparse.Namespace, result: "Plan") -> None:
+    from zerodp.plan.estimate import decimal_size
+
+    c = result.cluster
+    print(f"plan: {args.model}, {c.nodes} node(s) x {c.gpus_per_node} {c.name} ({decimal_size(c.gpu_memory_bytes)} each, "
+          f"{decimal_size(c.usable_bytes)} usable), {result.global_batch} samples x {result.seq_len} tokens per step, "
+          f"{args.dtype}")
+    if not result.candidates:
+        print(f"nothing fits: {result.why()}")
+    head = f"  {'#':>2} {'strategy':<44} {'micro x acc':>11} {'peak':>9} {'step s':>8} {'compute':>8} {'comm':>8} " \
+           f"{'optim':>8} {'offload':>8}"
+    if result.candidates:
+        print(head)
+    for i, cand in enumerate(result.candidates[:args.top], 1):
+        t = cand.time
+        print(f"  {i:>2} {cand.describe():<44} {f'{cand.micro_batch} x {cand.accumulation}':>11} "
+              f"{decimal_size(cand.peak_bytes):>9} {t.total:>8.3g} {t.compute:>8.3g} {t.exposed_communication:>8.3g} "
+              f"{t.optimizer:>8.3g} {t.offload:>8.3g}")
+    if result.candidates:
+        print(f"why: {result.why()}")
+        print("comm: communication not hidden behind compute; step times are predictions (docs/memory.md: the step-time "
+              f"model); {result.simulations} simulated steps, {len(result.left_out)} candidates left out (--json lists why)")
+    best = result.candidates[0] if result.candidates else None
+    if best is not None and best.activation_checkpointing != "none":
+        print(f"note: a DeepSpeed config does not turn on activation checkpointing: apply it to the model "
+              f"(zerodp.checkpointing.apply(model, 'blocks'{', selective=True' if best.activation_checkpointing == 'selective' else ''}) "
+              "or Hugging Face's model.gradient_checkpointing_enable())")
+    if args.output and best is not None:
+        print(f"wrote {args.output} (check it with: zerodp config check {args.output} --world-size {c.world_size})")
+
