@@ -102,7 +102,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         work = workload(args.model)
     except ValueError as err:
         problems.append(str(err))
-    seq_len, global_batch = (_whole(getattr(args, k)) for k in ("seq_len", "global_batch"))
+    from zerodp.cli import _count
+
+    seq_len, global_batch = (_count(getattr(args, k)) for k in ("seq_len", "global_batch"))
     if seq_len is None:
         problems.append(f"--seq-len {args.seq_len!r}: expected a whole number of tokens >= 1")
     elif work is not None and work.max_seq_len is not None and seq_len > work.max_seq_len:
@@ -138,14 +140,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         _print_plan(args, result)
     return EXIT_OK if best is not None else 1
-
-
-def _whole(text: str) -> int | None:
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return value if value >= 1 else None
 
 
 def _print_plan(args: argparse.Namespace, result: "Plan") -> None:
