@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction, func) -> None:
     plan = sub.add_parser("plan", help="the ZeRO configs that fit a cluster, fastest first; the best as DeepSpeed JSON",
                           description="Simulates zerodp's engine at the cluster's world size for every strategy "
                           "(stage, offload, activation checkpointing) and finds the largest micro-batch that fits; "
-                          "ranks them by a predicted step time (docs/memory.md, 'Planning a run').")
+                          "ranks them by a predicted step time (the model: zerodp/plan/cluster.py).")
     plan.add_argument("model", metavar="MODEL", help="as for zerodp estimate: demo, gpt:KEY=VALUE,..., a Hugging Face "
                       "config file or directory, or module:function")
     plan.add_argument("--gpu", default="h100", help="a preset: a100-40gb, a100-80gb, h100, h200, or cpu (ranks on CPU "
@@ -162,7 +162,7 @@ def _print_plan(args: argparse.Namespace, result: "Plan") -> None:
               f"{t.optimizer:>8.3g} {t.offload:>8.3g}")
     if result.candidates:
         print(f"why: {result.why()}")
-        print("comm: communication not hidden behind compute; step times are predictions (docs/memory.md: the step-time "
+        print("comm: communication not hidden behind compute; step times are predictions (zerodp/plan/cluster.py: the step-time "
               f"model); {result.simulations} simulated steps, {len(result.left_out)} candidates left out (--json lists why)")
     best = result.candidates[0] if result.candidates else None
     if best is not None and best.activation_checkpointing != "none":
