@@ -28,6 +28,7 @@ def test_step_time_adds_its_parts_by_hand() -> None:
 
 def test_plan_picks_what_fits_and_writes_a_config_zerodp_accepts(tmp_path, capsys) -> None:
     from zerodp.config import load_config
+    from zerodp.config_keys import NO_EFFECT, value_at
     from zerodp.plan.cluster import gpu_cluster
     from zerodp.plan.estimate import workload
     from zerodp.plan.planner import plan
@@ -52,6 +53,9 @@ def test_plan_picks_what_fits_and_writes_a_config_zerodp_accepts(tmp_path, capsy
     assert printed["best_config"] == json.loads(out.read_text())
     config = load_config(str(out), world_size=2)
     assert config.train_batch_size == 16 and config.zero_optimization.stage == tight[0]["stage"]
+    for c in roomy.candidates:  # no key a plan writes is one zerodp would warn has no effect
+        config = load_config(c.ds_config(16), world_size=2)
+        assert [p for p, (default, _) in NO_EFFECT.items() if (v := value_at(config, p))[1] and v[0] != default] == []
 
 
 def test_plan_names_each_bad_flag(capsys) -> None:

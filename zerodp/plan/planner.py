@@ -28,19 +28,15 @@ from zerodp.plan.cluster import Cluster, StepTime, Work, step_time
 from zerodp.plan.estimate import (DTYPES, Strategy, Workload, buffer_bytes, decimal_size, flat_states, module_flats,
                                   strategy_config)
 
-DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size and allgather_bucket_size, elements
+DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size, elements
 
 
-def bucket_sizes(numel: int, stage: int) -> dict:
-    """The bucket keys a plan writes: DeepSpeed's defaults, capped at a quarter of the model so that
-    stage 2's reduction runs in >= 4 buckets from backward (a bucket holding every gradient would
-    keep stage 2 at stage 1's peak), and at least 1M elements (fewer, longer collectives)."""
-    bucket = max(1_000_000, min(DEFAULT_BUCKET, numel // 4))
-    bucket += bucket % 2  # allgather_bucket_size must be even
-    keys = {"reduce_bucket_size": bucket}
-    if stage in (1, 2):
-        keys["allgather_bucket_size"] = bucket
-    return keys
+def bucket_sizes(numel: int) -> dict:
+    """The bucket key a plan writes: DeepSpeed's default reduce_bucket_size, capped at a quarter of the
+    model so that stage 2's reduction runs in >= 4 buckets from backward (a bucket holding every
+    gradient would keep stage 2 at stage 1's peak), and at least 1M elements (fewer, longer
+    collectives). No allgather_bucket_size: zerodp's stages 1-2 gather in place, without a buffer it bounds."""
+    return {"reduce_bucket_size": max(1_000_000, min(DEFAULT_BUCKET, numel // 4))}
 
 
 def divisors(n: int) -> list[int]:
@@ -283,7 +279,7 @@ class _Search:
         if key not in self._sims:
             self.simulations += 1
             self.say(f"simulating {s.describe()}, checkpointing {policy}, micro-batch {micro_batch}")
-            zero = bucket_sizes(self.numel, s.stage)
+            zero = bucket_sizes(self.numel)
             device = "cpu" if self.cluster.device == "cpu" else "meta"
             try:
                 self._sims[key] = simulate_strategy(self.work, s, self.cluster.world_size, micro_batch, self.seq_len,
@@ -322,7 +318,7 @@ class _Search:
         nvme = "nvme" in (s.offload_optimizer, s.offload_param)
         return Candidate(s, policy, micro_batch, accumulation, sim.peak[DEVICE].bytes,
                          None if nvme else sim.peak[CPU].bytes, step_time(work, self.cluster),
-                         int(sum(comm_bytes.values())), bucket_sizes(self.numel, s.stage))
+                         int(sum(comm_bytes.values())), bucket_sizes(self.numel))
 
 
 def count_flops(work: Workload, micro_batch: int, seq_len: int, policy: str = "none") -> float:
