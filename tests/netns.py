@@ -90,3 +90,27 @@ def hosts(num_hosts: int) -> Iterator[list[Host]]:
     finally:  # deleting a namespace deletes its end of each veth pair, and with it the pair
         for name in reversed(made):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@contextmanager
+def slow_loopback(rate: str) -> Iterator[Host]:
+    """One host whose own loopback carries at most `rate` (`tc tbf`, e.g. "50mbit"): ranks started on
+    it (`host.popen`, address 127.0.0.1) talk over a slow network. Skipped, naming why, where it
+    cannot be made."""
+    reason = _why_not() or (shutil.which("tc") is None and "the `tc` command (iproute2) is not installed") or None
+    if reason:
+        pytest.skip(f"slow-network tests skipped: {reason}")
+    name = f"zdp{os.getpid() % 100000}-slow"
+    try:
+        _ip("netns", "add", name)
+        _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+        # the burst must hold loopback's 64 KiB packets, or they wait forever
+        subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
+                        "burst", "512kb", "latency", "200ms"], check=True, capture_output=True, text=True, timeout=30)
+    except subprocess.CalledProcessError as err:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        pytest.skip(f"slow-network tests skipped: `{' '.join(err.cmd)}` failed: {err.stderr.strip()}")
+    try:
+        yield Host(name, "127.0.0.1", "lo")
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)

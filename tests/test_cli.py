@@ -157,6 +157,9 @@ def test_the_lines_a_config_asks_for_reach_stderr_without_any_logging_set_up(tmp
     times = [line for line in lines if line.startswith("[zerodp] time (ms): ")]
     assert len(times) == 2 and all(re.match(r"\[zerodp\] time \(ms\): fwd \S+ \| bwd \S+ \| step \S+$", t)
                                    for t in times), times
+    breakdowns = [line for line in lines if line.startswith("[zerodp] breakdown (ms): forward ")]
+    assert len(breakdowns) == 2 and all(re.search(r" of \S+ -> (compute|communication|offload|input)-bound \(\d+%", b)
+                                        for b in breakdowns), breakdowns
     memory = [line for line in lines if line.startswith("[zerodp] memory: ")]
     assert len(memory) == 2 and all("param32_master (device)" in m and "| model states " in m for m in memory), memory
     assert "zerodp config, resolved (dump_state):" in result.stderr and '"steps_per_print": 2' in result.stderr

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from zerodp import timers
 from zerodp.log import logger
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -193,6 +194,7 @@ class Pending:
 
     def __init__(self, works: list, then: Callable[[], object] | None = None, tensors: tuple = ()) -> None:
         self.works, self.then, self.tensors = works, then, tensors
+        self.launched = time.perf_counter()  # its flight, for the step breakdown (zerodp/timers.py)
         _unwaited.add(self)
 
     def is_completed(self) -> bool:
@@ -203,6 +205,8 @@ class Pending:
         with _naming_lost_peers():
             for work in works:
                 work.wait()
+        if works:
+            timers.in_flight(self.launched)
         if self.then is not None:
             self.then()
             self.then = None
@@ -221,9 +225,11 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken p
 @contextmanager
 def _naming_lost_peers() -> Iterator[None]:
     """Turn the backend's "Connection closed by peer [addr]:port" into PeerGone naming the rank
-    that is gone when it can be known (with two ranks, the other one)."""
+    that is gone when it can be known (with two ranks, the other one). It wraps every collective
+    call and wait: their time is the step breakdown's communication (zerodp/timers.py)."""
     try:
-        yield
+        with timers.waiting("communication"):
+            yield
     except RuntimeError as err:
         if isinstance(err, PeerGone) or not any(marker in str(err) for marker in _PEER_LOST):
             raise

@@ -31,7 +31,7 @@ from zerodp.offload.park import ParkedStorages
 from zerodp.optim import NoOptimizer
 from zerodp.plan.doctor import Doctor
 from zerodp.precision import make_loss_scaler, overflow_message
-from zerodp.timers import ThroughputTimer, Timers
+from zerodp.timers import StepClock, ThroughputTimer, Timers
 from zerodp.zero.base import Strategy
 
 
@@ -64,6 +64,10 @@ class Engine(nn.Module):
         self.check_overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
         self.timers = Timers(synchronize=config.wall_clock_breakdown and strategy.device.type == "cuda")
         self.tput_timer = ThroughputTimer(config.train_batch_size)
+        self.clock = StepClock()  # engine.step_report(): [Note: the step breakdown]
+        self.last_step_report: dict[str, Any] | None = None
+        offload = config.zero_optimization.offload_optimizer
+        self._optimizer_on_host = offload is not None and offload.device in ("cpu", "nvme")
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -81,7 +85,7 @@ class Engine(nn.Module):
         self.count_activations = True
         self._saved_peak: dict[str, int] = {}  # saved-activation bytes, this step's largest micro-batch
         self.saved_activations_peak: dict[str, int] = {}  # ... of the last completed step
-        self._step_started = time.perf_counter()
+        self._step_started: float | None = None  # the previous step's end; before the first, its first forward
         self.last_metrics: dict[str, Any] = {}
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
         self._manual_scales = 0  # engine.scale(loss) calls since the last step, for loss.backward()
@@ -226,7 +230,9 @@ class Engine(nn.Module):
         self._check_resident("forward")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
-        with self.timers("fwd"), self._explained_errors(), self.doctor.watching("forward"), \
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+        with self.clock.phase("forward"), self.timers("fwd"), self._explained_errors(), self.doctor.watching("forward"), \
                 checkpointing.count_saved_activations(self._param_storages, self.count_activations) as saved:
             out = self.module(*args, **kwargs)
         if saved.total > sum(self._saved_peak.values()):
@@ -259,7 +265,8 @@ class Engine(nn.Module):
         detached = loss.detach().float()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._num_losses += 1
-        with self.timers("bwd"), self._explained_errors(), self.doctor.watching("backward"):
+        with self.clock.phase("backward"), self.timers("bwd"), self._explained_errors(), \
+                self.doctor.watching("backward"):
             self.strategy.begin_backward(boundary)
             to_backward = scaled * self.loss_scaler.loss_scale if self.loss_scaler.loss_scale != 1.0 else scaled
             global _engine_backwards_running
@@ -304,13 +311,16 @@ class Engine(nn.Module):
         self._in_step = True
         try:
             if self.is_gradient_accumulation_boundary():
-                with self.timers("step"), self.doctor.watching("step"):
-                    self._take_model_step(lr_kwargs)
+                with self.clock.phase("step"), self.timers("step"), self.doctor.watching("step"):
+                    scale = self._take_model_step(lr_kwargs)
+                self.tput_timer.step_finished()
+                self._record_metrics(scale)
         finally:
             self._in_step = False
         self.micro_steps += 1
 
-    def _take_model_step(self, lr_kwargs: dict | None) -> None:
+    def _take_model_step(self, lr_kwargs: dict | None) -> float:
+        """The boundary's work; returns the loss scale the step ran with."""
         if self.config.fp16.enabled and self.strategy.implicit_backwards > self._manual_scales:
             raise RuntimeError(
                 "loss.backward() was called on an fp16 engine without the loss scale: fp16 gradients need it to "
@@ -334,19 +344,20 @@ class Engine(nn.Module):
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
         comm.ledger.end_step()
-        self.tput_timer.step_finished()
-        self._record_metrics(scale)
+        return scale
 
     def _record_metrics(self, scale: float) -> None:
         now = time.perf_counter()
+        wall = now - (self._step_started if self._step_started is not None else now)
+        self.last_step_report = {"step": self.global_steps, **self.clock.take(wall, self._optimizer_on_host)}
         self.last_metrics = {
             "step": self.global_steps,
             "loss": float(self._loss_sum) / self._num_losses if self._num_losses else None,
             "grad_norm": self._global_grad_norm if self._step_applied else None,
             "lr": self.get_lr()[0],
             "loss_scale": scale if self.config.fp16.enabled else None,
-            "step_time_s": now - self._step_started,
-            "samples_per_s": self.config.train_batch_size / max(now - self._step_started, 1e-9),
+            "step_time_s": wall,
+            "samples_per_s": self.config.train_batch_size / max(wall, 1e-9),
         }
         self._step_started = now
         self._loss_sum, self._num_losses = None, 0
@@ -360,7 +371,7 @@ class Engine(nn.Module):
     def _print_step(self) -> None:
         """The lines steps_per_print asks for, on rank 0: the step's metrics, then with
         wall_clock_breakdown the time per phase, with memory_breakdown the memory ledger."""
-        from zerodp.metrics import format_memory, format_step, format_times
+        from zerodp.metrics import format_breakdown, format_memory, format_step, format_times
 
         log_rank0(format_step(self.last_metrics))
         if self.config.wall_clock_breakdown:
@@ -368,6 +379,7 @@ class Engine(nn.Module):
             if checkpointing.options.profile:
                 times["recompute"] = checkpointing.profile.take()["recompute_s"]
             log_rank0(format_times(times))
+            log_rank0(format_breakdown(self.last_step_report))
         if self.config.memory_breakdown:
             log_rank0(format_memory(self.memory_report()))
 
@@ -540,6 +552,21 @@ class Engine(nn.Module):
         """Release what outlives Python's garbage collection: NVMe swap files (also removed at
         interpreter exit, normal or by an exception; DeepSpeed's name)."""
         self.strategy.close()
+
+    def step_report(self) -> dict | None:
+        """Where the last optimizer step's seconds went, on this rank (None before the first step):
+        `seconds` (the step, from the end of the previous one), `forward` and `backward` (their
+        compute: the phase minus what it waited on), `communication_exposed` (waiting on
+        collectives) and `communication_overlapped` (collectives in flight while the host computed:
+        an upper bound), `optimizer` (the boundary step's own work, on the device or, offloaded, on
+        the host: `optimizer_on`), `offload_transfers` (host-device copies), `nvme_wait` (waiting on
+        the disk), `input` (outside the engine's calls: the data loader and the user's code), and
+        `verdict`: "compute-bound", "communication-bound", "offload-bound" or "input-bound", the
+        largest of `parts_seconds` (compute: forward + backward + a device optimizer; offload: its
+        transfers, disk waits and a host optimizer), with its `share` of the step and the
+        `overlap_ratio` (overlapped / all communication). Host-clock times: zerodp/timers.py's
+        [Note: the step breakdown]."""
+        return dict(self.last_step_report) if self.last_step_report is not None else None
 
     def memory_report(self) -> dict:
         """Bytes this rank holds, by category and tier ("device", "cpu" when offloaded, "nvme"; see

@@ -108,6 +108,16 @@ def format_times(seconds: Mapping[str, float]) -> str:
     return "time (ms): " + _SEPARATOR.join(f"{n} {seconds[n] * 1e3:.1f}" for n in names)
 
 
+def format_breakdown(report: Mapping[str, Any]) -> str:
+    """One line of an engine.step_report(): "breakdown (ms): forward 12.3 | ... -> compute-bound (61%)"."""
+    parts = ["forward", "backward", "communication_exposed", "communication_overlapped", "optimizer",
+             "offload_transfers", "nvme_wait", "input"]
+    fields = [f"{name} {report[name] * 1e3:.1f}" for name in parts if report[name] or name in ("forward", "backward")]
+    overlap = "" if report["overlap_ratio"] is None else f", overlap {100 * report['overlap_ratio']:.0f}%"
+    return (f"breakdown (ms): {_SEPARATOR.join(fields)} of {report['seconds'] * 1e3:.1f} -> {report['verdict']} "
+            f"({100 * report['share']:.0f}%{overlap})")
+
+
 def format_memory(report: Mapping[str, Any]) -> str:
     """One line of an engine.memory_report(): bytes per category and tier, the model-state total
     and the activations autograd saved at the peak of the last step."""

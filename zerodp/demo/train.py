@@ -21,7 +21,7 @@ import torch
 import zerodp
 from zerodp.demo import DEMO_DEFAULT, DEMO_LR, DEMO_MICRO_BATCH_SIZE, DEMO_STEPS, SyntheticTaskDataset, TinyGPT
 from zerodp.memory import format_ledger
-from zerodp.metrics import ProgressBar, Throughput, flops_per_token, format_bytes, format_count
+from zerodp.metrics import ProgressBar, Throughput, flops_per_token, format_breakdown, format_bytes, format_count
 
 _DTYPE_SECTIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
 
@@ -104,6 +104,7 @@ def _summary(engine: zerodp.Engine, losses: list[float], seconds: float, tokens:
               f"({format_bytes(step['total_bytes'])})\n")
     for op, rec in step["ops"].items():
         out.write(f"  {op:<26} {rec['calls']:>4} calls {rec['numel']:>12,} elements {format_bytes(rec['bytes']):>12}\n")
+    out.write(f"the last step, rank {engine.global_rank}: {format_breakdown(engine.step_report())}\n")
 
 
 class _Null:

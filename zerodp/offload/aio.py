@@ -66,6 +66,7 @@ from typing import Any, Callable, Literal, Optional, Protocol
 import torch
 
 from zerodp.log import logger
+from zerodp.timers import waiting
 
 ALIGN_BYTES = 4096  # O_DIRECT alignment of buffers, offsets and lengths (see [Note: O_DIRECT])
 _DIRECT_REFUSED = {errno.EINVAL, errno.EOPNOTSUPP}  # how a filesystem says "no O_DIRECT here"
@@ -302,7 +303,8 @@ class IOHandle:
         Returns only when no request still touches the tensor, even when one failed, so the
         caller may reuse or free the buffer after this call however it ends.
         """
-        _, not_done = wait_futures(self._lanes, timeout)
+        with waiting("nvme"):  # the step breakdown's disk waits (zerodp/timers.py)
+            _, not_done = wait_futures(self._lanes, timeout)
         if not_done:
             raise TimeoutError(f"swap I/O still running after {timeout} s: {self._submission.context}")
         for lane in self._lanes:

@@ -17,12 +17,14 @@ non-offloaded training in fp32 (tests/test_offload.py).
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import torch
 
 from zerodp.memory import CPU, DEVICE
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY, check_host_memory, check_nvme_path
 from zerodp.offload.swap import swap_chunk_numel
+from zerodp.timers import waiting
 
 
 class Home:
@@ -61,18 +63,27 @@ class Home:
     @staticmethod
     def accumulate(dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst += src, copying `src` to dst's device first (a reduced piece going down to the host)."""
-        dst.add_(src if src.device == dst.device else src.to(dst.device))
+        if src.device == dst.device:
+            dst.add_(src)
+            return
+        with waiting("offload"):
+            dst.add_(src.to(dst.device))
 
     def converted(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`tensor` in `dtype` here: itself when it already is, else a converted copy (a transient)."""
         if tensor.dtype == dtype and tensor.device == self.device:
             return tensor
-        return tensor.to(device=self.device, dtype=dtype)
+        if tensor.device == self.device:
+            return tensor.to(dtype=dtype)
+        with waiting("offload"):
+            return tensor.to(device=self.device, dtype=dtype)
 
     @staticmethod
     def publish(dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy an updated master `src` into working shard `dst` (casting), unless it is `dst`."""
-        if src is not dst:
+        if src is dst:
+            return
+        with waiting("offload") if src.device != dst.device else nullcontext():
             dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
 
 

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zerodp import comm
+from zerodp import comm, timers
 from zerodp.checkpointing import repeated_blocks
 from zerodp.zero.layout import GroupLayout, group_layout
 from zerodp.zero.topology import Partition
@@ -235,7 +235,10 @@ class Unit:
             if self.secondary_valid:  # hpZ: inside the secondary group
                 works.append(comm.all_gather_into_tensor(f.full, f.secondary, group=self.secondary_group, async_op=True))
                 continue
-            shard = f.shard if f.shard.device == f.full.device else f.shard.to(f.full.device, non_blocking=True)
+            shard = f.shard
+            if shard.device != f.full.device:  # offload_param: fetched from the host
+                with timers.waiting("offload"):
+                    shard = shard.to(f.full.device, non_blocking=True)
             works.append(comm.all_gather_into_tensor(f.full, shard, group=self.group, async_op=True))
         return works
 
