@@ -1,17 +1,19 @@
 """The planner against real runs on this CPU: does its pick fit, is it the fastest, is its time right?
 
-    python bench/plan_accuracy.py            # 2 models x 3 device-memory budgets, 2 ranks (~6 min)
-    python bench/plan_accuracy.py --quick    # one model, two budgets
+    python bench/plan_accuracy.py            # 2 models x 3 device-memory budgets, 2 ranks (~25 min)
+    python bench/plan_accuracy.py --quick    # one model, two budgets (~5 min)
 
 For each model this machine is measured first (a torchrun job of 2 ranks, as training runs): the
 model's own forward and backward at two micro-batch sizes (seconds per micro-batch and FLOP/s, from
 the FLOPs zerodp.plan.planner.count_flops counts), a gloo all-reduce of 16 MB and of one element
-(bandwidth, latency) and AdamW over half the model (elements/s). These become the cluster's figures
+(bandwidth, latency) and fused AdamW over half the model (elements/s). These become the cluster's figures
 (`zerodp plan --gpu cpu --tflops ... --micro-batch-overhead ... --intra-node-bandwidth ... --latency
 ... --device-adam-rate ...`). For each device-memory budget, `zerodp.plan.planner.plan(...,
 exhaustive=True)` lists every strategy and checkpointing policy at its largest micro-batch that fits;
-then one torchrun job trains each of them for real under ZERODP_DEVICE_MEMORY_LIMIT=budget (the OOM
-doctor's live-bytes watch enforces it on the CPU): does it fit, and its median step time. Checked per
+then one torchrun job trains each of them for real: two steps under ZERODP_DEVICE_MEMORY_LIMIT=budget
+(the OOM doctor's live-bytes watch enforces it on the CPU): does it fit; then, without the limit
+(whose count slows every op), `--rounds` rounds over the candidates, interleaved, of `--steps` timed
+steps each: the median of the rounds' medians, and their spread. Checked per
 case: the pick (the plan's first) fits when run, its measured time is within 10% of the fastest
 candidate that fit, and its predicted time within 25% of its measured one. Results go to
 bench/results/plan_accuracy.json.
@@ -49,7 +51,7 @@ torch.manual_seed(0)
 work = workload(spec)
 model = work.build()
 
-def timed(fn, repeat=3):
+def timed(fn, repeat=5):
     fn()
     times = []
     for _ in range(repeat):
@@ -72,7 +74,7 @@ all_reduce, tiny = timed(lambda: dist.all_reduce(big)), timed(lambda: dist.all_r
 bandwidth = 2 * big.numel() * 4 * (dist.get_world_size() - 1) / dist.get_world_size() / max(all_reduce - tiny, 1e-9)
 numel = sum(p.numel() for p in model.parameters()) // dist.get_world_size()
 param = torch.nn.Parameter(torch.zeros(numel)); param.grad = torch.ones(numel)
-adam = torch.optim.AdamW([param])
+adam = torch.optim.AdamW([param], fused=True)  # as zerodp.optim builds it on a CPU or GPU
 adam_rate = numel / timed(adam.step)
 if dist.get_rank() == 0:
     with open(out, "w") as f:
@@ -82,7 +84,7 @@ dist.destroy_process_group()
 """
 
 _TRAIN = """
-import gc, json, statistics, sys, time
+import gc, json, os, statistics, sys, time
 sys.path.insert(0, {repo!r})
 import torch, torch.distributed as dist
 import zerodp
@@ -92,10 +94,13 @@ from zerodp.plan.estimate import workload
 from zerodp.plan.simulate import train_steps
 
 spec, seq_len, jobs, out = sys.argv[1], int(sys.argv[2]), json.loads(open(sys.argv[3]).read()), sys.argv[4]
+limit, rounds, steps = sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
 dist.init_process_group("gloo")
 work = workload(spec)
-results = []
-for job in jobs:
+
+def run(job, steps, limited):  # the median seconds of `steps` timed steps after one untimed
+    if limited:
+        os.environ["ZERODP_DEVICE_MEMORY_LIMIT"] = limit
     torch.manual_seed(0)
     model = work.build()
     if job["activation_checkpointing"] != "none":
@@ -107,14 +112,31 @@ for job in jobs:
         engine, *_ = zerodp.initialize(model=model, config=config)
         train_steps(engine, batch, 1)
         times = []
-        for _ in range(3):
+        for _ in range(steps):
             dist.barrier(); start = time.perf_counter(); train_steps(engine, batch, 1); dist.barrier()
             times.append(time.perf_counter() - start)
-        results.append({{"fits": True, "seconds": statistics.median(times)}})
+        return statistics.median(times) if times else None
+    finally:
+        os.environ.pop("ZERODP_DEVICE_MEMORY_LIMIT", None)
+        engine = model = None
+        gc.collect()
+
+results = []
+for job in jobs:  # does it fit? Two steps under the limit (the first steps reach the peak)
+    try:
+        run(job, 1, limited=True)
+        results.append({{"fits": True, "rounds": []}})
     except OutOfMemoryDiagnosed as err:
         results.append({{"fits": False, "why": str(err).splitlines()[0][:300]}})
-    engine = model = None
-    gc.collect()
+# Timed without the limit: under it every op pays for the live-bytes count. Rounds interleave the
+# candidates, so a slow minute of the machine falls on all of them alike.
+for _ in range(rounds):
+    for job, result in zip(jobs, results):
+        if result["fits"]:
+            result["rounds"].append(run(job, steps, limited=False))
+for result in results:
+    if result["fits"]:
+        result["seconds"] = statistics.median(result["rounds"])
 if dist.get_rank() == 0:
     with open(out, "w") as f:
         json.dump(results, f)
@@ -143,18 +165,20 @@ def probe(spec: str) -> dict:
         return json.loads(Path(f"{tmp}/probe.json").read_text())
 
 
-def measure(spec: str, result) -> list[dict]:
-    """Train every candidate of `result` (a Plan) under its budget; fits and median step time each."""
+def measure(spec: str, result, rounds: int, steps: int) -> list[dict]:
+    """Train every candidate of `result` (a Plan) under its budget, `rounds` times interleaved, `steps`
+    timed steps each time: whether it fits, the median step time of each round and their median."""
     jobs = [{"activation_checkpointing": c.activation_checkpointing, "config": c.ds_config(result.global_batch)}
             for c in result.candidates]
     with tempfile.TemporaryDirectory() as tmp:
         Path(f"{tmp}/jobs.json").write_text(json.dumps(jobs))
-        torchrun(_TRAIN, [spec, str(SEQ_LEN), f"{tmp}/jobs.json", f"{tmp}/out.json"],
-                 {"ZERODP_DEVICE_MEMORY_LIMIT": str(result.cluster.gpu_memory_bytes)})
+        torchrun(_TRAIN, [spec, str(SEQ_LEN), f"{tmp}/jobs.json", f"{tmp}/out.json", str(result.cluster.gpu_memory_bytes),
+                          str(rounds), str(steps)])
         return json.loads(Path(f"{tmp}/out.json").read_text())
 
 
-def run_case(name: str, spec: str, figures: dict, fraction: float, reference_peak: int) -> dict:
+def run_case(name: str, spec: str, figures: dict, fraction: float, reference_peak: int, rounds: int,
+             steps: int) -> dict:
     from zerodp.plan.cluster import gpu_cluster
     from zerodp.plan.estimate import workload
     from zerodp.plan.planner import plan
@@ -162,7 +186,7 @@ def run_case(name: str, spec: str, figures: dict, fraction: float, reference_pea
     budget = int(reference_peak * fraction)
     cluster = gpu_cluster("cpu", gpus_per_node=RANKS, gpu_memory_bytes=budget, efficiency=1.0, **figures)
     result = plan(workload(spec), cluster, SEQ_LEN, GLOBAL_BATCH, DTYPE, ("none", "blocks"), exhaustive=True)
-    measured = measure(spec, result)
+    measured = measure(spec, result, rounds, steps)
     rows = [{**c.as_dict(), "predicted_seconds": c.time.total, **m} for c, m in zip(result.candidates, measured)]
     fitting = [r for r in rows if r["fits"]]
     pick = rows[0] if rows else None
@@ -179,6 +203,8 @@ def run_case(name: str, spec: str, figures: dict, fraction: float, reference_pea
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the first model, two budgets")
+    parser.add_argument("--rounds", type=int, default=3, help="times each candidate is measured, interleaved")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per candidate and round")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "plan_accuracy.json"))
     args = parser.parse_args()
     from zerodp.plan.estimate import Strategy, workload
@@ -196,7 +222,7 @@ def main() -> None:
         per_rank = GLOBAL_BATCH // RANKS
         reference = simulate_strategy(workload(spec), Strategy(0, dtype=DTYPE), RANKS, per_rank, SEQ_LEN, device="cpu")
         for fraction in budgets:
-            case = run_case(name, spec, figures, fraction, reference.peak["device"].bytes)
+            case = run_case(name, spec, figures, fraction, reference.peak["device"].bytes, args.rounds, args.steps)
             cases.append(case)
             _print_case(case)
     ok = [c for c in cases if "pick_vs_fastest" in c]
@@ -211,7 +237,9 @@ def main() -> None:
 def _print_case(case: dict) -> None:
     print(f"  budget {case['budget_bytes'] / 1e6:.1f} MB ({case['budget_fraction']:.2f} x stage 0's peak):")
     for i, r in enumerate(case["candidates"]):
-        got = f"measured {r['seconds']:.3f} s" if r["fits"] else f"DID NOT FIT ({r['why'][:80]})"
+        spread = r["fits"] and (max(r["rounds"]) - min(r["rounds"])) / r["seconds"]
+        got = f"measured {r['seconds']:.3f} s (rounds within {100 * spread:.0f}%)" if r["fits"] else \
+            f"DID NOT FIT ({r['why'][:80]})"
         print(f"    {'pick' if i == 0 else '    '} {r['strategy']:<28} micro {r['micro_batch']} x {r['gradient_accumulation_steps']}"
               f"  peak {r['peak_bytes'] / 1e6:7.1f} MB  predicted {r['predicted_seconds']:.3f} s  {got}", flush=True)
     if "pick_vs_fastest" in case:
