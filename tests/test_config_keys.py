@@ -59,6 +59,8 @@ def _matrix(nvme: str) -> list[dict]:
          "log_level": "info", "scheduler": {"type": "WarmupLR", "params": {}}},
         {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
          "optimizer": {"type": "Adafactor", "params": {"lr": 1e-2}}},
+        {"flops_profiler": {"enabled": True, "profile_step": 1, "module_depth": 1, "top_modules": 2,
+                            "detailed": False, "output_file": f"{nvme}/flops.txt"}},
     ]
 
 

@@ -16,6 +16,7 @@ from zerodp.log import log_rank0, show_on_stderr, warn_once
 from zerodp.offload.cpu import Home, preflight_offload
 from zerodp.optim import NoOptimizer, forward_only_reason, optimizer_factory, param_groups_from
 from zerodp.precision import DtypePolicy
+from zerodp.profiler import check_output_file
 from zerodp.zero import strategy_class
 from zerodp.zero.units import full_numel
 from zerodp.plan.preflight import preflight_memory
@@ -67,6 +68,8 @@ def initialize(
     forward_only = forward_only_reason(model, model_parameters, optimizer, cfg.optimizer)
     groups = [] if forward_only else param_groups_from(model, model_parameters, optimizer)
     _check_partitioning(model, cfg)
+    if cfg.flops_profiler.enabled:
+        check_output_file(cfg.flops_profiler.output_file)
     if not comm.simulated():  # this machine's memory says nothing about the one a simulation estimates
         preflight_offload(cfg, sum(full_numel(p) for g in groups for p in g["params"]))
         if not forward_only:  # an engine that trains: its model states are the estimator's

@@ -78,8 +78,6 @@ SWITCHED_SECTIONS: dict[str, tuple[str, str]] = {
     "datastates": ("enabled", "the DataStates checkpoint engine is not built in"),
     "comms_logger": ("enabled", "the comms logger is not built in; engine.comm_report() gives every collective "
                                 "of the last step (op, dtype, calls, bytes)"),
-    "flops_profiler": ("enabled", "the flops profiler is not built in yet; torch.utils.flop_counter.FlopCounterMode "
-                                  "counts a model's FLOPs"),
     "torch_autocast": ("enabled", "torch autocast mode is not implemented; the bf16 / fp16 sections train in 16 bits "
                                   "with fp32 masters"),
 }
@@ -108,6 +106,8 @@ NO_EFFECT: dict[str, tuple[Any, str]] = {
     "zero_optimization.offload_optimizer.fast_init": (False, "swap files are written chunk by chunk at set-up"),
     "zero_optimization.offload_optimizer.convert_grad_on_cpu": (True, _SUPER),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": (0.8, _SUPER + " (set OMP_NUM_THREADS instead)"),
+    "flops_profiler.recompute_fwd_factor": (0.0, "the flops profiler counts the backward's FLOPs, activation "
+                                                 "checkpointing's recomputation included, instead of estimating them"),
     "aio.single_submit": (False, "zerodp's NVMe I/O runs on thread pools, not libaio submissions"),
     "aio.overlap_events": (True, "zerodp's NVMe I/O runs on thread pools, not libaio submissions"),
     "bf16.immediate_grad_update": (False, "gradients accumulate in data_types.grad_accum_dtype and the step "

@@ -31,6 +31,7 @@ from zerodp.offload.park import ParkedStorages
 from zerodp.optim import NoOptimizer
 from zerodp.plan.doctor import Doctor
 from zerodp.precision import make_loss_scaler, overflow_message
+from zerodp.profiler import FlopsProfiler, device_peak_flops
 from zerodp.timers import StepClock, ThroughputTimer, Timers
 from zerodp.zero.base import Strategy
 
@@ -68,7 +69,10 @@ class Engine(nn.Module):
         self.last_step_report: dict[str, Any] | None = None
         offload = config.zero_optimization.offload_optimizer
         self._optimizer_on_host = offload is not None and offload.device in ("cpu", "nvme")
+        self.flops_profiler = FlopsProfiler(module, config.flops_profiler, strategy.device)  # [Note: the flops profile]
+        self._peak_flops = device_peak_flops(strategy.device, strategy.policy.param_dtype)  # for the MFU
         self.micro_steps = 0
+        self._forwards = 0  # forward calls: a forward-only engine's flops profiler counts them
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -233,8 +237,11 @@ class Engine(nn.Module):
         if self._step_started is None:
             self._step_started = time.perf_counter()
         with self.clock.phase("forward"), self.timers("fwd"), self._explained_errors(), self.doctor.watching("forward"), \
-                checkpointing.count_saved_activations(self._param_storages, self.count_activations) as saved:
+                checkpointing.count_saved_activations(self._param_storages, self.count_activations) as saved, \
+                self.flops_profiler.forward(self._forwards if self.forward_only else self.global_steps,
+                                            backward=not self.forward_only):
             out = self.module(*args, **kwargs)
+        self._forwards += 1
         if saved.total > sum(self._saved_peak.values()):
             self._saved_peak = dict(saved.bytes_by_tier)
         if self.config.gradient_accumulation_steps > 1 and torch.is_grad_enabled():
@@ -272,7 +279,8 @@ class Engine(nn.Module):
             global _engine_backwards_running
             _engine_backwards_running += 1
             try:
-                to_backward.backward(retain_graph=retain_graph)
+                with self.flops_profiler.backward():
+                    to_backward.backward(retain_graph=retain_graph)
             except BaseException:
                 self.strategy.backward_open = False
                 raise
@@ -311,6 +319,7 @@ class Engine(nn.Module):
         self._in_step = True
         try:
             if self.is_gradient_accumulation_boundary():
+                self.flops_profiler.finish()  # a profiled forward whose backward was not engine.backward
                 with self.clock.phase("step"), self.timers("step"), self.doctor.watching("step"):
                     scale = self._take_model_step(lr_kwargs)
                 self.tput_timer.step_finished()
@@ -346,10 +355,20 @@ class Engine(nn.Module):
         comm.ledger.end_step()
         return scale
 
+    def _step_flops(self, wall: float) -> dict[str, float | None]:
+        """The step's FLOPs from the flops profile (None before it ran, or without its backward)."""
+        profile = self.flops_profiler.profile
+        if profile is None or profile["backward_flops"] is None or wall <= 0:
+            return {"flops": None, "flops_per_s": None, "mfu": None}
+        flops = profile["flops"] * self.config.gradient_accumulation_steps
+        return {"flops": flops, "flops_per_s": flops / wall,
+                "mfu": flops / wall / self._peak_flops if self._peak_flops else None}
+
     def _record_metrics(self, scale: float) -> None:
         now = time.perf_counter()
         wall = now - (self._step_started if self._step_started is not None else now)
-        self.last_step_report = {"step": self.global_steps, **self.clock.take(wall, self._optimizer_on_host)}
+        self.last_step_report = {"step": self.global_steps, **self.clock.take(wall, self._optimizer_on_host),
+                                 **self._step_flops(wall)}
         self.last_metrics = {
             "step": self.global_steps,
             "loss": float(self._loss_sum) / self._num_losses if self._num_losses else None,
@@ -565,8 +584,18 @@ class Engine(nn.Module):
         largest of `parts_seconds` (compute: forward + backward + a device optimizer; offload: its
         transfers, disk waits and a host optimizer), with its `share` of the step and the
         `overlap_ratio` (overlapped / all communication). Host-clock times: zerodp/timers.py's
-        [Note: the step breakdown]."""
+        [Note: the step breakdown]. With `flops_profiler.enabled`, from the profiled step on, `flops`
+        (the profiled micro-batch's forward + backward FLOPs x the accumulation steps), `flops_per_s`
+        (per `seconds`) and, in bf16 / fp16 on a GPU zerodp.plan.cluster.GPUS names, `mfu` (the model
+        FLOPs utilisation: flops_per_s / the device's dense 16-bit peak); None otherwise."""
         return dict(self.last_step_report) if self.last_step_report is not None else None
+
+    @property
+    def flops_profile(self) -> dict | None:
+        """The flops profiler's result (`flops_profiler.enabled`; None until its micro-batch ran):
+        FLOPs and seconds of the forward and the backward, and per module (`modules`) its parameters,
+        forward FLOPs and forward latency. zerodp/profiler.py's [Note: the flops profile]."""
+        return self.flops_profiler.profile
 
     def memory_report(self) -> dict:
         """Bytes this rank holds, by category and tier ("device", "cpu" when offloaded, "nvme"; see

@@ -114,8 +114,10 @@ def format_breakdown(report: Mapping[str, Any]) -> str:
              "offload_transfers", "nvme_wait", "input"]
     fields = [f"{name} {report[name] * 1e3:.1f}" for name in parts if report[name] or name in ("forward", "backward")]
     overlap = "" if report["overlap_ratio"] is None else f", overlap {100 * report['overlap_ratio']:.0f}%"
+    rate = "" if report.get("flops_per_s") is None else f", {report['flops_per_s'] / 1e9:.1f} GFLOP/s"
+    mfu = "" if report.get("mfu") is None else f", MFU {100 * report['mfu']:.1f}%"
     return (f"breakdown (ms): {_SEPARATOR.join(fields)} of {report['seconds'] * 1e3:.1f} -> {report['verdict']} "
-            f"({100 * report['share']:.0f}%{overlap})")
+            f"({100 * report['share']:.0f}%{overlap}){rate}{mfu}")
 
 
 def format_memory(report: Mapping[str, Any]) -> str:
