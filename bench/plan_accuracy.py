@@ -2,6 +2,8 @@
 
     python bench/plan_accuracy.py            # 2 models x 3 device-memory budgets, 2 ranks (~25 min)
     python bench/plan_accuracy.py --quick    # one model, two budgets (~5 min)
+    python bench/plan_accuracy.py --budgets 0.75 --stages 0,1 --activation-checkpointing none --rounds 6
+                                             # a closer look at two near-tied candidates (~8 min)
 
 For each model this machine is measured first (a torchrun job of 2 ranks, as training runs): the
 model's own forward and backward at two micro-batch sizes (seconds per micro-batch and FLOP/s, from
@@ -178,14 +180,15 @@ def measure(spec: str, result, rounds: int, steps: int) -> list[dict]:
 
 
 def run_case(name: str, spec: str, figures: dict, fraction: float, reference_peak: int, rounds: int,
-             steps: int) -> dict:
+             steps: int, stages: tuple[int, ...] = (0, 1, 2, 3), policies: tuple[str, ...] = ("none", "blocks")) -> dict:
     from zerodp.plan.cluster import gpu_cluster
     from zerodp.plan.estimate import workload
     from zerodp.plan.planner import plan
 
     budget = int(reference_peak * fraction)
     cluster = gpu_cluster("cpu", gpus_per_node=RANKS, gpu_memory_bytes=budget, efficiency=1.0, **figures)
-    result = plan(workload(spec), cluster, SEQ_LEN, GLOBAL_BATCH, DTYPE, ("none", "blocks"), exhaustive=True)
+    result = plan(workload(spec), cluster, SEQ_LEN, GLOBAL_BATCH, DTYPE, policies, exhaustive=True)
+    result.candidates[:] = [c for c in result.candidates if c.strategy.stage in stages]
     measured = measure(spec, result, rounds, steps)
     rows = [{**c.as_dict(), "predicted_seconds": c.time.total, **m} for c, m in zip(result.candidates, measured)]
     fitting = [r for r in rows if r["fits"]]
@@ -205,13 +208,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the first model, two budgets")
     parser.add_argument("--rounds", type=int, default=3, help="times each candidate is measured, interleaved")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per candidate and round")
+    parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
+                        help="device-memory budgets, fractions of stage 0's simulated peak (default %(default)s)")
+    parser.add_argument("--stages", default="0,1,2,3", help="the stages whose candidates run (default %(default)s)")
+    parser.add_argument("--activation-checkpointing", default="none,blocks", help="policies (default %(default)s)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "plan_accuracy.json"))
     args = parser.parse_args()
     from zerodp.plan.estimate import Strategy, workload
     from zerodp.plan.simulate import simulate_strategy
 
     models = dict(list(MODELS.items())[:1]) if args.quick else MODELS
-    budgets = BUDGETS[::2] if args.quick else BUDGETS
+    budgets = BUDGETS[::2] if args.quick else tuple(float(b) for b in args.budgets.split(","))
+    stages = tuple(int(s) for s in args.stages.split(","))
+    policies = tuple(args.activation_checkpointing.split(","))
     cases, calibration = [], {}
     for name, spec in models.items():
         figures = calibration[name] = probe(spec)
@@ -222,7 +231,8 @@ def main() -> None:
         per_rank = GLOBAL_BATCH // RANKS
         reference = simulate_strategy(workload(spec), Strategy(0, dtype=DTYPE), RANKS, per_rank, SEQ_LEN, device="cpu")
         for fraction in budgets:
-            case = run_case(name, spec, figures, fraction, reference.peak["device"].bytes, args.rounds, args.steps)
+            case = run_case(name, spec, figures, fraction, reference.peak["device"].bytes, args.rounds, args.steps,
+                            stages, policies)
             cases.append(case)
             _print_case(case)
     ok = [c for c in cases if "pick_vs_fastest" in c]
