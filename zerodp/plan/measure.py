@@ -54,6 +54,10 @@ class AllocatorTrace:
                 self._marks[event.name()[len(_MARK):]] = event.start_ns()
         self._events.sort()
 
+    def live_at(self, name: str) -> int:
+        """Bytes live (allocated inside the trace and not yet freed) at the mark."""
+        return sum(delta for start, delta in self._events if start <= self._marks[name])
+
     def peak_since(self, name: str) -> int:
         """The most bytes live at once (allocated inside the trace) from the mark to the end."""
         when, live, peak = self._marks[name], 0, None
