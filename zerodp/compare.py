@@ -223,8 +223,7 @@ def _worker(rank: int, world: int, port: int, job: dict, queue: Any) -> None:
     os.dup2(log, 1)  # the frameworks' warnings and the profiler's lines go to DIR/logs, not over the progress
     os.dup2(log, 2)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-                      ZERODP_LOG_LEVEL="WARNING")
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", ZERODP_LOG_LEVEL="WARNING")
     import datetime
 
     import torch
@@ -232,6 +231,8 @@ def _worker(rank: int, world: int, port: int, job: dict, queue: Any) -> None:
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is imported, later
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
