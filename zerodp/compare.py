@@ -157,8 +157,9 @@ def _torch_runner(fw: Framework, model: Any, dtype: str, device: Any) -> _Runner
     return _Runner(forward, lambda loss: loss.backward(), step, model, optimizer)
 
 
-def _engine_runner(fw: Framework, model: Any, dtype: str, world: int, micro_batch: int) -> _Runner:
+def _engine_runner(fw: Framework, model: Any, dtype: str, world: int, micro_batch: int, zero: dict) -> _Runner:
     config = _ds_config(fw, micro_batch, world, dtype)
+    config["zero_optimization"].update(zero)
     if fw.family == "deepspeed":
         import deepspeed
 
@@ -275,7 +276,8 @@ def _train(rank: int, job: dict, device: Any) -> dict:
         if fw.family in ("ddp", "fsdp2"):
             runner = _torch_runner(fw, model, job["dtype"], device)
         else:
-            runner = _engine_runner(fw, model, job["dtype"], dist.get_world_size(), job["micro_batch"])
+            runner = _engine_runner(fw, model, job["dtype"], dist.get_world_size(), job["micro_batch"],
+                                    job.get("zero", {}))
         del model
         losses, timed, written = [], [], []
         sync = torch.cuda.synchronize if cuda else (lambda: None)
