@@ -106,3 +106,29 @@ def test_config_md_lists_every_key_zerodp_does_not_read() -> None:
             *(f"{section}.{switch}" for section, (switch, _) in SWITCHED_SECTIONS.items())]
     missing = [key for key in keys if key.rpartition(".")[2] not in text]
     assert missing == [], f"docs/config.md does not mention {missing}"
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    anchors, fenced = set(), False
+    for line in doc.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(r"#{1,6} ", line):
+            anchors.add(re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))
+    return anchors
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_the_docs_links_reach_a_file_and_a_heading(doc: Path) -> None:
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (doc.parent / path).resolve() if path else doc
+        if not linked.exists():
+            broken.append(target)
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(target)
+    assert broken == [], f"{doc.name} links to missing files or headings: {broken}"
