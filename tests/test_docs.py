@@ -132,3 +132,29 @@ def test_the_docs_links_reach_a_file_and_a_heading(doc: Path) -> None:
         elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
             broken.append(target)
     assert broken == [], f"{doc.name} links to missing files or headings: {broken}"
+
+
+# Commands docs/guide.md shows that no runnable block runs: where they run instead, or why they do not.
+_GUIDE_RUN_ELSEWHERE = {
+    "zerodp run --nproc-per-node 2 tests/scripts/hf_trainer.py 3 out/": "tests/test_hf_integration.py runs this script",
+    "ZERODP_AS_DEEPSPEED=1 accelerate launch --use_deepspeed --zero_stage 3 --num_processes 2 --mixed_precision bf16 "
+    "--zero3_save_16bit_model true tests/scripts/accelerate_loop.py out/": "tests/test_hf_integration.py runs this script",
+    "zerodp plan docs/models/llama-70b --gpu a100-80gb --gpus-per-node 8 --seq-len 2048 --global-batch 64 --nvme 4TB "
+    "--output ds_plan.json": "minutes of simulation; tests/test_plan.py plans smaller models with the same flags",
+}
+
+
+def _shell_commands(code: str) -> list[str]:
+    """The command lines of a shell block, continuations joined, comments and spacing dropped."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    return [" ".join(line.split("#")[0].split()) for line in joined.splitlines() if line.split("#")[0].strip()]
+
+
+def test_every_command_the_guide_shows_runs_in_ci() -> None:
+    ran = {cmd for doc in DOCS for _, language, code, runnable in code_blocks(doc)
+           if runnable and language in ("bash", "") for cmd in _shell_commands(code)}
+    shown = [cmd for _, language, code, _ in code_blocks(ROOT / "docs" / "guide.md") if language in ("bash", "")
+             for cmd in _shell_commands(code)]
+    assert set(_GUIDE_RUN_ELSEWHERE) <= set(shown), "an entry of _GUIDE_RUN_ELSEWHERE is no longer in the guide"
+    missing = [cmd for cmd in shown if cmd not in ran and cmd not in _GUIDE_RUN_ELSEWHERE]
+    assert missing == [], f"docs/guide.md shows commands no runnable block runs: {missing}"
