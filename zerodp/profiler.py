@@ -5,7 +5,7 @@ forward latency per module.
 When `flops_profiler.enabled`, every rank profiles the first micro-batch after `profile_step`
 optimizer steps (DeepSpeed's count: with the default 1, the second step's first micro-batch; the
 first step pays for warm-up; an engine that does not train counts forwards instead, and profiles
-the forward only), and rank 0 prints the profile to stdout (or writes it to `output_file`). Every rank
+the forward only), and rank 0 logs the profile through the zerodp logger at INFO (or writes it to `output_file`). Every rank
 profiles so that the ranks stay in step (a collective inside the model waits for the slowest).
 The FLOPs are counted, not estimated: torch's FlopCounterMode runs through the forward
 (engine.forward) and, separately, through the backward (engine.backward), so the backward's own
@@ -160,8 +160,8 @@ class FlopsProfiler:
             with open(self.config.output_file, "w") as f:
                 f.write(text + "\n")
             log_rank0(f"flops profile of step {self.profile['step']} written to {self.config.output_file}")
-        else:  # asked for, so shown whatever the log level (as DeepSpeed prints it)
-            print(text, flush=True)
+        else:
+            log_rank0("%s", text)
 
 
 def _flops(n: float) -> str:

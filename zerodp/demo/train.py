@@ -22,6 +22,7 @@ import zerodp
 from zerodp.demo import DEMO_DEFAULT, DEMO_LR, DEMO_MICRO_BATCH_SIZE, DEMO_STEPS, SyntheticTaskDataset, TinyGPT
 from zerodp.memory import format_ledger
 from zerodp.metrics import ProgressBar, Throughput, flops_per_token, format_breakdown, format_bytes, format_count
+from zerodp.profiler import format_profile
 
 _DTYPE_SECTIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
 
@@ -105,6 +106,10 @@ def _summary(engine: zerodp.Engine, losses: list[float], seconds: float, tokens:
     for op, rec in step["ops"].items():
         out.write(f"  {op:<26} {rec['calls']:>4} calls {rec['numel']:>12,} elements {format_bytes(rec['bytes']):>12}\n")
     out.write(f"the last step, rank {engine.global_rank}: {format_breakdown(engine.step_report())}\n")
+    profiler = engine.config.flops_profiler
+    if engine.flops_profile is not None and not profiler.output_file:  # the demo quiets the INFO log it went to
+        out.write(format_profile(engine.flops_profile, profiler.module_depth, profiler.top_modules,
+                                 profiler.detailed) + "\n")
 
 
 class _Null:
