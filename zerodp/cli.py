@@ -46,11 +46,25 @@ def _setup_logging() -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from zerodp import cli_plan
+
     parser = argparse.ArgumentParser(prog="zerodp", description="ZeRO training engine for PyTorch (DeepSpeed-compatible).")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
     sub.add_parser("run", help="launch a training script on N processes (torchrun's options; see `zerodp run --help`)")
     sub.add_parser("deepspeed", help="launch a DeepSpeed script with DeepSpeed's launcher flags (see `zerodp deepspeed --help`)")
 
+    _add_config(sub)
+    _add_ckpt(sub)
+    _add_estimate(sub)
+    cli_plan.add_parser(sub, cli_plan.cmd_plan)
+    _add_doctor(sub)
+    _add_compare(sub)
+    _add_demo(sub)
+    return parser
+
+
+def _add_config(sub: argparse._SubParsersAction) -> None:
+    """`zerodp config check`."""
     config = sub.add_parser("config", help="check a DeepSpeed config").add_subparsers(required=True, metavar="ACTION")
     check = config.add_parser("check", help="validate a config and print it resolved, with the batch math")
     check.add_argument("config", help="path to a DeepSpeed JSON config")
@@ -58,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="data-parallel world size (number of processes); default: $WORLD_SIZE")
     check.set_defaults(func=_cmd_config_check)
 
+
+def _add_ckpt(sub: argparse._SubParsersAction) -> None:
+    """`zerodp ckpt inspect | convert | gather`."""
     ckpt = sub.add_parser("ckpt", help="inspect or convert a zerodp checkpoint (convert: a DeepSpeed one too)").add_subparsers(required=True, metavar="ACTION")
     inspect_ = ckpt.add_parser("inspect", help="what saved a checkpoint and what its files hold")
     inspect_.add_argument("dir", help="checkpoint directory (with 'latest') or a tag directory")
@@ -91,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     gather.add_argument("--tag", default=None, help="tag to gather (default: the one in each DIR/latest)")
     gather.set_defaults(func=_cmd_ckpt_gather)
 
+
+def _add_estimate(sub: argparse._SubParsersAction) -> None:
+    """`zerodp estimate`."""
     estimate = sub.add_parser("estimate", help="peak memory per rank for every ZeRO strategy, before a run")
     estimate.add_argument("model", nargs="?", default=None, metavar="MODEL",
                           help="demo (the demo's GPT), gpt:d_model=1024,n_layer=24,... (the demo's GPT at other sizes), "
@@ -115,16 +135,18 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--json", action="store_true", help="print one JSON object per strategy and checkpointing policy")
     estimate.set_defaults(func=_cmd_estimate)
 
-    from zerodp import cli_plan
 
-    cli_plan.add_parser(sub, cli_plan.cmd_plan)
-
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    """`zerodp doctor`."""
     doctor = sub.add_parser("doctor", help="show the OOM doctor's reports of a run that ran out of device memory")
     doctor.add_argument("path", metavar="LOGDIR_OR_REPORT",
                         help="a report (rank0.json) or the directory of them ($ZERODP_DOCTOR_DIR, default ./zerodp_oom)")
     doctor.add_argument("--json", action="store_true", help="print the reports as JSON")
     doctor.set_defaults(func=_cmd_doctor)
 
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    """`zerodp compare`."""
     compare = sub.add_parser("compare", help="train one model with DDP, FSDP2, DeepSpeed and zerodp's strategies, "
                              "side by side: report.md and plots", description="Each framework trains in fresh "
                              "processes, interleaved over rounds; step time, peak memory by category, communication "
@@ -148,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--out", required=True, metavar="DIR", help="where report.md, results.json and the PNGs go")
     compare.set_defaults(func=_cmd_compare)
 
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    """`zerodp demo`."""
     demo = sub.add_parser("demo", help="train a small GPT on a synthetic task, then show the memory ledger")
     demo.add_argument("--nproc", type=_positive_int, default=2, help="processes (ranks) to launch (default 2)")
     demo.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: the demo's)")
@@ -157,7 +182,6 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--activation-checkpointing", action="store_true",
                       help="checkpoint every transformer block (compare the saved-activation bytes with and without)")
     demo.set_defaults(func=_cmd_demo)
-    return parser
 
 
 def _compare_frameworks() -> list[str]:
