@@ -85,24 +85,20 @@ def test_a_failing_rank_stops_the_job_instead_of_hanging(tmp_path) -> None:
     assert "rank 1 gives up" in result.stderr
 
 
-def test_demo_trains_end_to_end_on_two_processes() -> None:
-    result = _zerodp("demo", "--steps", "4", "--dtype", "bf16", timeout=180)
-    assert result.returncode == 0, result.stderr
-    assert "loss " in result.stdout and "memory ledger, rank 0" in result.stdout
-    assert "param16" in result.stdout and "all_reduce[bfloat16]" in result.stdout
-
-
-def test_demo_shows_a_new_user_only_its_own_lines_even_beside_a_checkout_named_zerodp(tmp_path) -> None:
-    """Run from a folder holding a directory called zerodp (a checkout's parent): the ranks import the
-    installed package, not that directory as a namespace package. Nothing else is printed: no
-    torchrun banner, no INFO line repeating the demo's header, no TFLOPS on a CPU."""
+def test_demo_trains_on_two_processes_and_shows_only_its_own_lines_even_beside_a_checkout_named_zerodp(tmp_path) -> None:
+    """The demo trains end to end in bf16 and prints the ledger and the step's collectives. Run from a
+    folder holding a directory called zerodp (a checkout's parent): the ranks import the installed
+    package, not that directory as a namespace package. Nothing else is printed: no torchrun banner,
+    no INFO line repeating the demo's header, no TFLOPS on a CPU."""
     (tmp_path / "zerodp").mkdir()
-    result = subprocess.run([sys.executable, "-m", "zerodp.cli", "demo", "--steps", "2"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=180,
+    result = subprocess.run([sys.executable, "-m", "zerodp.cli", "demo", "--steps", "2", "--dtype", "bf16"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=180,
                             env={k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")})
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert "model states" in result.stdout and "TFLOPS" not in result.stdout and " mem " not in result.stdout
+    assert "loss " in result.stdout and "memory ledger, rank 0" in result.stdout
+    assert "param16" in result.stdout and "all_reduce[bfloat16]" in result.stdout
 
 
 def test_demo_refuses_zero_steps_in_one_line() -> None:
