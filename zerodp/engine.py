@@ -32,6 +32,7 @@ from zerodp.optim import NoOptimizer
 from zerodp.plan.doctor import Doctor
 from zerodp.precision import make_loss_scaler, overflow_message
 from zerodp.profiler import FlopsProfiler, device_peak_flops
+from zerodp.offload.diagnosis import OffloadProbes, diagnose, probe_offload
 from zerodp.timers import StepClock, ThroughputTimer, Timers
 from zerodp.zero.base import Strategy
 
@@ -69,6 +70,8 @@ class Engine(nn.Module):
         self.last_step_report: dict[str, Any] | None = None
         offload = config.zero_optimization.offload_optimizer
         self._optimizer_on_host = offload is not None and offload.device in ("cpu", "nvme")
+        self.offload_probes = self._probe_offload()  # [Note: the offload diagnosis]
+        self._swap_marks = self._swap_counters()
         self.flops_profiler = FlopsProfiler(module, config.flops_profiler, strategy.device)  # [Note: the flops profile]
         self._peak_flops = device_peak_flops(strategy.device, strategy.policy.param_dtype)  # for the MFU
         self.micro_steps = 0
@@ -364,11 +367,50 @@ class Engine(nn.Module):
         return {"flops": flops, "flops_per_s": flops / wall,
                 "mfu": flops / wall / self._peak_flops if self._peak_flops else None}
 
+    def _offloading(self) -> bool:
+        zero = self.config.zero_optimization
+        return any(s is not None and s.device in ("cpu", "nvme") for s in (zero.offload_optimizer, zero.offload_param))
+
+    def _host_elements(self) -> int:
+        """The elements the host optimizer steps (0 when it steps on the device)."""
+        if not self._optimizer_on_host or self.optimizer is None:
+            return 0
+        return sum(p.numel() for group in self.optimizer.param_groups for p in group["params"])
+
+    def _probe_offload(self) -> OffloadProbes | None:
+        """The offload diagnosis's start-up probes; None without offload or without an optimizer
+        (an engine that never steps has no step report)."""
+        if not self._offloading() or self.optimizer is None:
+            return None
+        stores = self.strategy.swap_stores()
+        layout = self._swap_layout()
+        swap_bytes = {name: store.allocated_bytes for name, store in stores.items()}
+        if layout is not None:  # the optimizer's state appears at the first step: its fp32 master and Adam's two moments
+            swap_bytes["optimizer"] = 12 * layout["elements"]
+        return probe_offload(self.device, self.optimizer, self._optimizer_on_host, stores, swap_bytes, self.config.aio)
+
+    def _swap_layout(self) -> dict | None:
+        swapper = getattr(self.strategy, "swapper", None)
+        return swapper.layout() if swapper is not None else None
+
+    def _swap_counters(self) -> dict:
+        return {name: store.counters for name, store in self.strategy.swap_stores().items()}
+
+    def _offload_report(self, report: dict) -> dict:
+        """report["offload"] for the step just taken: [Note: the offload diagnosis]."""
+        now = self._swap_counters()
+        traffic = {name: (stats.read_bytes - self._swap_marks[name].read_bytes,
+                          stats.written_bytes - self._swap_marks[name].written_bytes) for name, stats in now.items()}
+        self._swap_marks = now
+        return diagnose(report, self.offload_probes, traffic, self._swap_layout(), self._host_elements(), self.config)
+
     def _record_metrics(self, scale: float) -> None:
         now = time.perf_counter()
         wall = now - (self._step_started if self._step_started is not None else now)
         self.last_step_report = {"step": self.global_steps, **self.clock.take(wall, self._optimizer_on_host),
                                  **self._step_flops(wall)}
+        if self.offload_probes is not None:
+            self.last_step_report["offload"] = self._offload_report(self.last_step_report)
         self.last_metrics = {
             "step": self.global_steps,
             "loss": float(self._loss_sum) / self._num_losses if self._num_losses else None,
@@ -587,7 +629,9 @@ class Engine(nn.Module):
         [Note: the step breakdown]. With `flops_profiler.enabled`, from the profiled step on, `flops`
         (the profiled micro-batch's forward + backward FLOPs x the accumulation steps), `flops_per_s`
         (per `seconds`) and, in bf16 / fp16 on a GPU zerodp.plan.cluster.GPUS names, `mfu` (the model
-        FLOPs utilisation: flops_per_s / the device's dense 16-bit peak); None otherwise."""
+        FLOPs utilisation: flops_per_s / the device's dense 16-bit peak); None otherwise. With offload,
+        `offload`: the step's copies, disk bytes and CPU step against bandwidths probed at start-up,
+        and `advice` (zerodp/offload/diagnosis.py's [Note: the offload diagnosis])."""
         return dict(self.last_step_report) if self.last_step_report is not None else None
 
     @property

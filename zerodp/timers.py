@@ -100,6 +100,7 @@ class StepClock:
 
     def reset(self) -> None:
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)  # (phase, "total" | part)
+        self.bytes: dict[str, int] = defaultdict(int)  # moved by the waits of a part (offload copies)
         self.blocked: list[tuple[float, float]] = []  # waits on communication
         self.flights: list[tuple[float, float]] = []  # async collectives, launch to the end of their wait
 
@@ -134,6 +135,8 @@ class StepClock:
             "offload_transfers": waits["offload"],
             "nvme_wait": waits["nvme"],
             "input": max(wall - inside, 0.0),
+            "offload_bytes": self.bytes["offload"],
+            "nvme_wait_in_step": s[("step", "nvme")],
         }
         parts = {
             "compute": report["forward"] + report["backward"] + (0.0 if offloaded_optimizer else report["optimizer"]),
@@ -150,8 +153,9 @@ class StepClock:
 
 
 @contextmanager
-def waiting(part: str) -> Iterator[None]:
-    """Time the host waits on `part` ("communication", "offload", "nvme") inside the running phase."""
+def waiting(part: str, num_bytes: int = 0) -> Iterator[None]:
+    """Time the host waits on `part` ("communication", "offload", "nvme") inside the running phase,
+    and the `num_bytes` the wait moves (offload copies count theirs: the step report's offload_bytes)."""
     clock = _active[-1] if _active else None
     if clock is None or clock._depth:
         yield
@@ -164,6 +168,7 @@ def waiting(part: str) -> Iterator[None]:
         end = time.perf_counter()
         clock._depth -= 1
         clock.seconds[(clock.phase_name, part)] += end - start
+        clock.bytes[part] += num_bytes
         if part == "communication":
             clock.blocked.append((start, end))
 

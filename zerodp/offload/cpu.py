@@ -66,7 +66,7 @@ class Home:
         if src.device == dst.device:
             dst.add_(src)
             return
-        with waiting("offload"):
+        with waiting("offload", _nbytes(src)):
             dst.add_(src.to(dst.device))
 
     def converted(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -75,7 +75,7 @@ class Home:
             return tensor
         if tensor.device == self.device:
             return tensor.to(dtype=dtype)
-        with waiting("offload"):
+        with waiting("offload", tensor.numel() * dtype.itemsize):
             return tensor.to(device=self.device, dtype=dtype)
 
     @staticmethod
@@ -83,8 +83,13 @@ class Home:
         """Copy an updated master `src` into working shard `dst` (casting), unless it is `dst`."""
         if src is dst:
             return
-        with waiting("offload") if src.device != dst.device else nullcontext():
+        with waiting("offload", _nbytes(dst)) if src.device != dst.device else nullcontext():
             dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """The bytes of `tensor` (what a copy of it moves between host and device)."""
+    return tensor.numel() * tensor.element_size()
 
 
 def preflight_offload(config, trainable_numel: int) -> None:

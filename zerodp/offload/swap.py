@@ -184,6 +184,13 @@ class OptimizerSwapper:
             with self.resident_chunk(i, modify=not saving):
                 yield self.chunks[i][2], partial(pieces_of, i)
 
+    def layout(self) -> dict:
+        """The swap chunks, for the offload diagnosis: `chunks`, `elements` (all the masters'),
+        `largest_chunk` (elements) and `buffer_count`."""
+        numels = [s["master"].num_bytes // s["master"].tensor.element_size() for s in self.slots]
+        return {"chunks": len(numels), "elements": sum(numels), "largest_chunk": max(numels, default=0),
+                "buffer_count": self.buffer_count}
+
     def nvme_bytes(self) -> tuple[int, int]:
         """(master bytes, optimizer state bytes) held in the swap file."""
         master = sum(s["master"].num_bytes for s in self.slots)

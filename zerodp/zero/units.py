@@ -237,7 +237,7 @@ class Unit:
                 continue
             shard = f.shard
             if shard.device != f.full.device:  # offload_param: fetched from the host
-                with timers.waiting("offload"):
+                with timers.waiting("offload", shard.numel() * shard.element_size()):
                     shard = shard.to(f.full.device, non_blocking=True)
             works.append(comm.all_gather_into_tensor(f.full, shard, group=self.group, async_op=True))
         return works
