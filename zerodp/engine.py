@@ -68,9 +68,14 @@ class Engine(nn.Module):
         self.tput_timer = ThroughputTimer(config.train_batch_size)
         self.clock = StepClock()  # engine.step_report(): [Note: the step breakdown]
         self.last_step_report: dict[str, Any] | None = None
-        offload = config.zero_optimization.offload_optimizer
-        self._optimizer_on_host = offload is not None and offload.device in ("cpu", "nvme")
-        self.offload_probes = self._probe_offload()  # [Note: the offload diagnosis]
+        zero = config.zero_optimization
+        self._optimizer_on_host = _on_host(zero.offload_optimizer)
+        # [Note: the offload diagnosis]: fixed after start-up, so taken once
+        swapper = getattr(strategy, "swapper", None)
+        self._swap_layout = swapper.layout() if swapper is not None else None
+        self._host_elements = sum(p.numel() for group in self.optimizer.param_groups for p in group["params"]) \
+            if self._optimizer_on_host and self.optimizer is not None else 0
+        self.offload_probes = self._probe_offload() if _on_host(zero.offload_param) or self._optimizer_on_host else None
         self._swap_marks = self._swap_counters()
         self.flops_profiler = FlopsProfiler(module, config.flops_profiler, strategy.device)  # [Note: the flops profile]
         self._peak_flops = device_peak_flops(strategy.device, strategy.policy.param_dtype)  # for the MFU
@@ -367,31 +372,16 @@ class Engine(nn.Module):
         return {"flops": flops, "flops_per_s": flops / wall,
                 "mfu": flops / wall / self._peak_flops if self._peak_flops else None}
 
-    def _offloading(self) -> bool:
-        zero = self.config.zero_optimization
-        return any(s is not None and s.device in ("cpu", "nvme") for s in (zero.offload_optimizer, zero.offload_param))
-
-    def _host_elements(self) -> int:
-        """The elements the host optimizer steps (0 when it steps on the device)."""
-        if not self._optimizer_on_host or self.optimizer is None:
-            return 0
-        return sum(p.numel() for group in self.optimizer.param_groups for p in group["params"])
-
     def _probe_offload(self) -> OffloadProbes | None:
-        """The offload diagnosis's start-up probes; None without offload or without an optimizer
-        (an engine that never steps has no step report)."""
-        if not self._offloading() or self.optimizer is None:
+        """The offload diagnosis's start-up probes; None without an optimizer (an engine that never
+        steps has no step report)."""
+        if self.optimizer is None:
             return None
         stores = self.strategy.swap_stores()
-        layout = self._swap_layout()
         swap_bytes = {name: store.allocated_bytes for name, store in stores.items()}
-        if layout is not None:  # the optimizer's state appears at the first step: its fp32 master and Adam's two moments
-            swap_bytes["optimizer"] = 12 * layout["elements"]
+        if self._swap_layout is not None:  # the state appears at the first step: fp32 master and Adam's two moments
+            swap_bytes["optimizer"] = 12 * self._swap_layout["elements"]
         return probe_offload(self.device, self.optimizer, self._optimizer_on_host, stores, swap_bytes, self.config.aio)
-
-    def _swap_layout(self) -> dict | None:
-        swapper = getattr(self.strategy, "swapper", None)
-        return swapper.layout() if swapper is not None else None
 
     def _swap_counters(self) -> dict:
         return {name: store.counters for name, store in self.strategy.swap_stores().items()}
@@ -402,7 +392,7 @@ class Engine(nn.Module):
         traffic = {name: (stats.read_bytes - self._swap_marks[name].read_bytes,
                           stats.written_bytes - self._swap_marks[name].written_bytes) for name, stats in now.items()}
         self._swap_marks = now
-        return diagnose(report, self.offload_probes, traffic, self._swap_layout(), self._host_elements(), self.config)
+        return diagnose(report, self.offload_probes, traffic, self._swap_layout, self._host_elements, self.config)
 
     def _record_metrics(self, scale: float) -> None:
         now = time.perf_counter()
@@ -668,6 +658,12 @@ class Engine(nn.Module):
         ledger = comm.ledger
         return {"last_step": comm.comm_report(ledger.last_step), "init": comm.comm_report(ledger.init),
                 "one_off": comm.comm_report(ledger.one_off)}
+
+
+def _on_host(section: Any) -> bool:
+    """Whether an offload section (offload_optimizer / offload_param) puts its tensors on the host
+    (device cpu, or nvme: swapped through host memory)."""
+    return section is not None and section.device in ("cpu", "nvme")
 
 
 def _clear_strategy_grads_on_module_zero_grad(module: nn.Module, engine: Engine) -> None:

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
-from zerodp.memory import CPU, DEVICE
+from zerodp.memory import CPU, DEVICE, nbytes
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY, check_host_memory, check_nvme_path
 from zerodp.offload.swap import swap_chunk_numel
 from zerodp.timers import waiting
@@ -66,7 +66,7 @@ class Home:
         if src.device == dst.device:
             dst.add_(src)
             return
-        with waiting("offload", _nbytes(src)):
+        with waiting("offload", nbytes(src)):
             dst.add_(src.to(dst.device))
 
     def converted(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -83,13 +83,8 @@ class Home:
         """Copy an updated master `src` into working shard `dst` (casting), unless it is `dst`."""
         if src is dst:
             return
-        with waiting("offload", _nbytes(dst)) if src.device != dst.device else nullcontext():
+        with waiting("offload", nbytes(dst)) if src.device != dst.device else nullcontext():
             dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    """The bytes of `tensor` (what a copy of it moves between host and device)."""
-    return tensor.numel() * tensor.element_size()
 
 
 def preflight_offload(config, trainable_numel: int) -> None:

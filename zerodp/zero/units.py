@@ -41,6 +41,7 @@ from torch import nn
 
 from zerodp import comm, timers
 from zerodp.checkpointing import repeated_blocks
+from zerodp.memory import nbytes
 from zerodp.zero.layout import GroupLayout, group_layout
 from zerodp.zero.topology import Partition
 
@@ -237,7 +238,7 @@ class Unit:
                 continue
             shard = f.shard
             if shard.device != f.full.device:  # offload_param: fetched from the host
-                with timers.waiting("offload", shard.numel() * shard.element_size()):
+                with timers.waiting("offload", nbytes(shard)):
                     shard = shard.to(f.full.device, non_blocking=True)
             works.append(comm.all_gather_into_tensor(f.full, shard, group=self.group, async_op=True))
         return works
