@@ -105,3 +105,46 @@ def test_the_simulated_peak_is_the_cuda_allocator_s(stage: int, offload: str) ->
     print(f"stage {stage} offload {offload}: predicted {predicted.peak['device'].bytes:,} "
           f"measured {measured:,} ({100 * (predicted.peak['device'].bytes - measured) / measured:+.2f}%)")
     assert abs(predicted.peak["device"].bytes - measured) <= 0.03 * measured
+
+
+class _Matmuls(torch.nn.Module):
+    """Eight 4096 x 4096 layers: a forward the host queues in well under a millisecond and the
+    device takes tens of milliseconds to run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).square().mean()
+
+
+def _device_timed_steps() -> list[tuple[dict, float]]:
+    import time
+
+    import zerodp
+
+    engine, *_ = zerodp.initialize(model=_Matmuls(), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 2}})
+    x = torch.randn(8192, 4096, device=engine.device)
+    steps = []
+    for _ in range(3):
+        start = time.perf_counter()
+        loss = engine(x)
+        queued = time.perf_counter() - start  # the host's time in forward: launching, not running
+        engine.backward(loss)
+        engine.step()
+        steps.append((engine.step_report(), queued))
+    return steps[1:]
+
+
+def test_the_step_report_times_the_device_with_cuda_events() -> None:
+    """On CUDA the breakdown's spans are events on the stream: the forward's kernels count as
+    forward compute however soon the host returned from queueing them ([Note: the step breakdown])."""
+    for report, queued in _one_rank_nccl(_device_timed_steps):
+        print(f"forward {report['forward'] * 1e3:.1f} ms on the device, {queued * 1e3:.1f} ms on the host; "
+              f"step {report['seconds'] * 1e3:.1f} ms: {report['verdict']}")
+        assert report["clock"] == "cuda-events"
+        assert report["forward"] > 3 * queued and report["verdict"] == "compute-bound", report
+        assert report["seconds"] >= report["forward"] + report["backward"]

@@ -139,3 +139,64 @@ def test_offload_and_input_bound_steps(tmp_path) -> None:
     assert all(r["optimizer_on"] == "host" and r["nvme_wait"] > r["optimizer"] for r in reports["offload"])
     _check(reports["input"], "input")
     assert all(r["input"] >= 0.2 for r in reports["input"])  # two micro-batches waited 0.1 s each
+
+
+class _HostTimedEvent:
+    """torch.cuda.Event's timing interface (record, synchronize, elapsed_time in ms) on the host's
+    clock: the CUDA clock's arithmetic, run where there is no device."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        assert self.at is not None, "synchronize() on an event never recorded"
+
+    def elapsed_time(self, end: "_HostTimedEvent") -> float:
+        assert self.at is not None and end.at is not None
+        return (end.at - self.at) * 1e3
+
+
+def _nap(seconds: float) -> float:
+    """Sleep; the seconds it took (more than asked on a busy machine)."""
+    start = time.perf_counter()
+    time.sleep(seconds)
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize("clock", ["host", "cuda-events"])
+def test_the_clock_splits_a_scripted_step_into_its_parts(clock: str, monkeypatch) -> None:
+    from zerodp.metrics import format_breakdown
+    from zerodp.timers import StepClock, in_flight, launched, waiting
+
+    if clock == "cuda-events":
+        monkeypatch.setattr(torch.cuda, "Event", _HostTimedEvent)
+    step = StepClock(torch.device("cuda" if clock == "cuda-events" else "cpu"))
+    for _ in range(2):  # the second step begins where the first ended
+        took = {}
+        with step.phase("forward"):
+            took["forward"] = _nap(0.1)
+            flight = launched()  # an async collective, waited for in backward
+            with waiting("offload", 1000):
+                took["offload_transfers"] = _nap(0.02)
+        with step.phase("backward"):
+            took["backward"] = _nap(0.03)
+            with waiting("communication"):
+                took["communication_exposed"] = _nap(0.04)
+            in_flight(flight)
+        with step.phase("step"), waiting("nvme"), waiting("communication"):  # nested: counted once, as the disk's
+            took["nvme_wait"] = took["nvme_wait_in_step"] = _nap(0.05)
+        took["input"] = _nap(0.06)  # outside the engine's calls: the data loader's
+        report = step.take(offloaded_optimizer=False)
+        assert report["clock"] == clock
+        took["optimizer"] = 0.0
+        took["communication_overlapped"] = took["offload_transfers"] + took["backward"]  # launch to the wait
+        for part, seconds in took.items():
+            assert report[part] == pytest.approx(seconds, abs=0.02), (part, report)
+        assert report["offload_bytes"] == 1000
+        assert report["seconds"] == pytest.approx(sum(report[p] for p in PARTS), abs=1e-6)
+        assert report["verdict"] == "compute-bound", report  # 0.13 s of compute against 0.06 s of input
+        assert format_breakdown(report).endswith("[cuda events]") == (clock == "cuda-events")

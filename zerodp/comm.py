@@ -194,7 +194,7 @@ class Pending:
 
     def __init__(self, works: list, then: Callable[[], object] | None = None, tensors: tuple = ()) -> None:
         self.works, self.then, self.tensors = works, then, tensors
-        self.launched = time.perf_counter()  # its flight, for the step breakdown (zerodp/timers.py)
+        self.launched = timers.launched()  # its flight, for the step breakdown (zerodp/timers.py)
         _unwaited.add(self)
 
     def is_completed(self) -> bool:

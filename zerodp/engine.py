@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -66,7 +65,7 @@ class Engine(nn.Module):
         self.check_overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
         self.timers = Timers(synchronize=config.wall_clock_breakdown and strategy.device.type == "cuda")
         self.tput_timer = ThroughputTimer(config.train_batch_size)
-        self.clock = StepClock()  # engine.step_report(): [Note: the step breakdown]
+        self.clock = StepClock(strategy.device)  # engine.step_report(): [Note: the step breakdown]
         self.last_step_report: dict[str, Any] | None = None
         zero = config.zero_optimization
         self._optimizer_on_host = _on_host(zero.offload_optimizer)
@@ -97,7 +96,6 @@ class Engine(nn.Module):
         self.count_activations = True
         self._saved_peak: dict[str, int] = {}  # saved-activation bytes, this step's largest micro-batch
         self.saved_activations_peak: dict[str, int] = {}  # ... of the last completed step
-        self._step_started: float | None = None  # the previous step's end; before the first, its first forward
         self.last_metrics: dict[str, Any] = {}
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
         self._manual_scales = 0  # engine.scale(loss) calls since the last step, for loss.backward()
@@ -242,9 +240,9 @@ class Engine(nn.Module):
         self._check_resident("forward")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
-        if self._step_started is None:
-            self._step_started = time.perf_counter()
-        with self.clock.phase("forward"), self.timers("fwd"), self._explained_errors(), self.doctor.watching("forward"), \
+        # a forward-only engine has no steps to report (and its clock would keep every forward's marks)
+        timed = self.clock.phase("forward") if not self.forward_only else nullcontext()
+        with timed, self.timers("fwd"), self._explained_errors(), self.doctor.watching("forward"), \
                 checkpointing.count_saved_activations(self._param_storages, self.count_activations) as saved, \
                 self.flops_profiler.forward(self._forwards if self.forward_only else self.global_steps,
                                             backward=not self.forward_only):
@@ -395,10 +393,9 @@ class Engine(nn.Module):
         return diagnose(report, self.offload_probes, traffic, self._swap_layout, self._host_elements, self.config)
 
     def _record_metrics(self, scale: float) -> None:
-        now = time.perf_counter()
-        wall = now - (self._step_started if self._step_started is not None else now)
-        self.last_step_report = {"step": self.global_steps, **self.clock.take(wall, self._optimizer_on_host),
-                                 **self._step_flops(wall)}
+        report = self.clock.take(self._optimizer_on_host)
+        wall = report["seconds"]
+        self.last_step_report = {"step": self.global_steps, **report, **self._step_flops(wall)}
         if self.offload_probes is not None:
             self.last_step_report["offload"] = self._offload_report(self.last_step_report)
         self.last_metrics = {
@@ -410,7 +407,6 @@ class Engine(nn.Module):
             "step_time_s": wall,
             "samples_per_s": self.config.train_batch_size / max(wall, 1e-9),
         }
-        self._step_started = now
         self._loss_sum, self._num_losses = None, 0
         self.saved_activations_peak, self._saved_peak = self._saved_peak, {}
         # Asking for a breakdown without steps_per_print gets it every step rather than never.
@@ -615,8 +611,9 @@ class Engine(nn.Module):
         `verdict`: "compute-bound", "communication-bound", "offload-bound" or "input-bound", the
         largest of `parts_seconds` (compute: forward + backward + a device optimizer; offload: its
         transfers, disk waits and a host optimizer), with its `share` of the step and the
-        `overlap_ratio` (overlapped / all communication). Host-clock times: zerodp/timers.py's
-        [Note: the step breakdown]. With `flops_profiler.enabled`, from the profiled step on, `flops`
+        `overlap_ratio` (overlapped / all communication). `clock`: "host" (the host's clock) or, on
+        CUDA, "cuda-events" (events on the stream that runs the work: the device's time):
+        zerodp/timers.py's [Note: the step breakdown]. With `flops_profiler.enabled`, from the profiled step on, `flops`
         (the profiled micro-batch's forward + backward FLOPs x the accumulation steps), `flops_per_s`
         (per `seconds`) and, in bf16 / fp16 on a GPU zerodp.plan.cluster.GPUS names, `mfu` (the model
         FLOPs utilisation: flops_per_s / the device's dense 16-bit peak); None otherwise. With offload,

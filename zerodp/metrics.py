@@ -116,8 +116,9 @@ def format_breakdown(report: Mapping[str, Any]) -> str:
     overlap = "" if report["overlap_ratio"] is None else f", overlap {100 * report['overlap_ratio']:.0f}%"
     rate = "" if report.get("flops_per_s") is None else f", {report['flops_per_s'] / 1e9:.1f} GFLOP/s"
     mfu = "" if report.get("mfu") is None else f", MFU {100 * report['mfu']:.1f}%"
+    clock = " [cuda events]" if report.get("clock") == "cuda-events" else ""
     return (f"breakdown (ms): {_SEPARATOR.join(fields)} of {report['seconds'] * 1e3:.1f} -> {report['verdict']} "
-            f"({100 * report['share']:.0f}%{overlap}){rate}{mfu}")
+            f"({100 * report['share']:.0f}%{overlap}){rate}{mfu}{clock}")
 
 
 def format_memory(report: Mapping[str, Any]) -> str:
