@@ -157,9 +157,13 @@ def _torch_runner(fw: Framework, model: Any, dtype: str, device: Any) -> _Runner
     return _Runner(forward, lambda loss: loss.backward(), step, model, optimizer)
 
 
-def _engine_runner(fw: Framework, model: Any, dtype: str, world: int, micro_batch: int, zero: dict) -> _Runner:
+def _engine_runner(fw: Framework, model: Any, dtype: str, world: int, micro_batch: int, overrides: dict) -> _Runner:
     config = _ds_config(fw, micro_batch, world, dtype)
-    config["zero_optimization"].update(zero)
+    for key, value in overrides.items():  # a section's keys join the section's; any other key replaces
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key].update(value)
+        else:
+            config[key] = value
     if fw.family == "deepspeed":
         import deepspeed
 
@@ -277,7 +281,7 @@ def _train(rank: int, job: dict, device: Any) -> dict:
             runner = _torch_runner(fw, model, job["dtype"], device)
         else:
             runner = _engine_runner(fw, model, job["dtype"], dist.get_world_size(), job["micro_batch"],
-                                    job.get("zero", {}))
+                                    job.get("config", {}))
         del model
         losses, timed, written = [], [], []
         sync = torch.cuda.synchronize if cuda else (lambda: None)
