@@ -158,3 +158,15 @@ def test_every_command_the_guide_shows_runs_in_ci() -> None:
     assert set(_GUIDE_RUN_ELSEWHERE) <= set(shown), "an entry of _GUIDE_RUN_ELSEWHERE is no longer in the guide"
     missing = [cmd for cmd in shown if cmd not in ran and cmd not in _GUIDE_RUN_ELSEWHERE]
     assert missing == [], f"docs/guide.md shows commands no runnable block runs: {missing}"
+
+
+def test_the_chinese_guide_is_the_english_one_section_for_section() -> None:
+    """docs/guide.zh.md translates the prose only: the same numbered sections in the same order, and
+    the same code blocks byte for byte (so its commands and configs are the ones CI runs in guide.md),
+    none of them run a second time."""
+    english, chinese = ROOT / "docs" / "guide.md", ROOT / "docs" / "guide.zh.md"
+    sections = [re.findall(r"^(#+) (\d+[a-z]?)\. ", doc.read_text(), flags=re.M) for doc in (english, chinese)]
+    assert sections[0] == sections[1] and len(sections[0]) >= 23, sections
+    blocks = [[(language, code) for _, language, code, _ in code_blocks(doc)] for doc in (english, chinese)]
+    assert blocks[0] == blocks[1], "docs/guide.zh.md's code blocks are not guide.md's: copy them over unchanged"
+    assert not any(runnable for *_, runnable in code_blocks(chinese))
