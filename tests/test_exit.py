@@ -120,3 +120,32 @@ def test_a_collective_whose_peer_died_names_the_rank_that_is_gone(tmp_path) -> N
     dead.communicate(timeout=180)
     assert survivor.returncode == 0, err[-2000:]
     assert out.startswith("rank 0: rank 1 is gone, so this collective cannot finish"), out + err[-2000:]
+
+
+def test_the_exit_waits_for_a_busy_backend_worker_thread() -> None:
+    """settle_backend_threads (the exit's wait for other libraries' collectives, (4) of the Note)
+    returns once no thread with the name of gloo's workers is on the CPU: one that hashes for 0.3 s
+    (hashlib lets go of the GIL, so the thread stays runnable) holds it back that long."""
+    import ctypes
+    import hashlib
+    import threading
+    import time
+
+    from zerodp.comm import settle_backend_threads
+
+    assert settle_backend_threads(5.0)  # no such thread
+    data, started, until = bytes(32 << 20), threading.Event(), time.monotonic() + 0.3
+
+    def busy() -> None:
+        ctypes.CDLL(None).prctl(15, b"pt_gloo_runloop", 0, 0, 0)  # PR_SET_NAME: the name gloo's workers have
+        started.set()
+        while time.monotonic() < until:
+            hashlib.sha256(data)
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    started.wait()
+    assert settle_backend_threads(30.0)
+    settled = time.monotonic()
+    worker.join()
+    assert settled >= until - 0.05, f"returned {until - settled:.3f} s before the worker stopped"

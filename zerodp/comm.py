@@ -165,6 +165,12 @@ def link_of(group: dist.ProcessGroup | None) -> str:
 # for, then (with the GIL released) until no alias is left. A failed script waits at most a second
 # and, if a collective can never finish (its peer is gone), leaves with os._exit: interpreter
 # shutdown would otherwise join the backend's thread and wait for that collective's timeout.
+# (4) The collectives other libraries issue (Accelerate's and TRL's gathers) go to torch.distributed
+# directly, with no alias to watch; for those the exit then waits, the GIL released, until gloo's
+# worker threads (torch names them "pt_gloo_runloop") have been off the CPU for two polls in a row,
+# at most a few seconds: a worker that completed such a collective and has not dropped it yet is
+# runnable, or waits for the GIL, which the polls' sleeps hand it. Seen once without it: a TRL GRPO
+# run at stage 3 (tests/test_trl.py) aborted after its last line, on a machine busy with other tests.
 
 _handed: set[weakref.ref] = set()
 """Weak references to the tensor aliases given to collectives whose work object still exists."""
@@ -281,9 +287,49 @@ def drain_pending(timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
     return True
 
 
+_BACKEND_THREADS = ("pt_gloo_runloop",)
+"""The names of the backend's worker threads, which drop a collective's work after completing it."""
+
+
+def _backend_thread_running() -> bool | None:
+    """Whether one of the backend's worker threads is running or waiting for a CPU (Linux's /proc
+    says; None where it cannot)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread has ended
+        name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+        if name in _BACKEND_THREADS and state == "R":
+            return True
+    return False
+
+
+def settle_backend_threads(timeout_s: float) -> bool:
+    """Wait, the GIL released, until no backend worker thread was running at two polls in a row
+    (see [Note: leaving nothing for interpreter shutdown], (4)); False when `timeout_s` passed first."""
+    deadline, quiet = time.monotonic() + timeout_s, 0
+    while quiet < 2:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+        running = _backend_thread_running()
+        if running is None:
+            return True
+        quiet = 0 if running else quiet + 1
+    return True
+
+
 def _at_exit() -> None:
     failed = getattr(sys, "last_value", None) is not None  # the top-level handler of an uncaught error sets it
     if drain_pending(1.0 if failed else DRAIN_TIMEOUT_S):
+        if dist.is_available() and dist.is_initialized() and not settle_backend_threads(0.5 if failed else 3.0):
+            logger.debug("exiting while a backend thread is still busy")
         return
     logger.error("exiting with %d tensors still held by unfinished collectives (%d never waited for): "
                  "a peer is gone, or the ranks issued different collectives", len(_handed), len(_unwaited))
