@@ -149,7 +149,7 @@ class _HostTimedEvent:
         assert enable_timing
         self.at: float | None = None
 
-    def record(self) -> None:
+    def record(self, stream: None = None) -> None:
         self.at = time.perf_counter()
 
     def synchronize(self) -> None:
@@ -174,6 +174,7 @@ def test_the_clock_splits_a_scripted_step_into_its_parts(clock: str, monkeypatch
 
     if clock == "cuda-events":
         monkeypatch.setattr(torch.cuda, "Event", _HostTimedEvent)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
     step = StepClock(torch.device("cuda" if clock == "cuda-events" else "cpu"))
     for _ in range(2):  # the second step begins where the first ended
         took = {}

@@ -105,6 +105,7 @@ class StepClock:
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.on_device = device is not None and device.type == "cuda"
+        self.device = device
         self.phase_name: str | None = None
         self._depth = 0  # waits in progress (an inner one is part of the outer)
         self._start: Mark | None = None  # where the step in progress began: the last one's end, or its first forward
@@ -114,7 +115,7 @@ class StepClock:
         if not self.on_device:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the engine's device, whichever is current
         return event
 
     def reset(self) -> None:
