@@ -17,7 +17,7 @@ its children's), its `calls`, and the forward's wall time between them (synchron
 device on CUDA; at stage 3 a module's own parameter gather runs in a hook before the timer starts).
 The profile also feeds engine.step_report(): every later step reports `flops` (the profiled
 micro-batch's forward + backward FLOPs times the micro-batches per step, so it assumes the same
-shapes), `flops_per_s` and, in 16 bits on a GPU whose peak zerodp.plan.cluster.GPUS lists, `mfu`.
+shapes), `flops_per_s` and, in 16 bits on a GPU whose peak zerodp.gpus.GPUS lists, `mfu`.
 A backward the engine does not run (`loss.backward()` of the user's) is not counted: the profile
 completes at the step with `backward_flops` None, and the step report's FLOPs stay None.
 """
@@ -32,18 +32,16 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from zerodp.gpus import peak_flops_of
 from zerodp.log import global_rank, log_rank0
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The dense 16-bit peak FLOP/s of a CUDA device zerodp.plan.cluster.GPUS knows (by its name), for
+    """The dense 16-bit peak FLOP/s of a CUDA device zerodp.gpus.GPUS knows (by its name), for
     the model FLOPs utilisation of a bf16 / fp16 run; None otherwise (a CPU, another GPU, fp32)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    from zerodp.plan.cluster import GPUS
-
-    name = torch.cuda.get_device_name(device).lower()  # "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"
-    return next((figures[1] for gpu, figures in GPUS.items() if gpu.split("-")[0] in name), None)
+    return peak_flops_of(torch.cuda.get_device_name(device))
 
 
 def check_output_file(path: str | None) -> None:

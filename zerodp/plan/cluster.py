@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from zerodp.gpus import GPUS
+
 ADAM_BYTES_PER_ELEMENT = 28  # fused Adam reads fp32 param, grad, two moments and writes three of them
 NVME_STATE_BYTES = 16  # fp32 master + two moments (+ the gradient), read and written per step
 
@@ -58,16 +60,6 @@ class Cluster:
     def usable_bytes(self) -> int:
         """Device bytes a candidate's peak may reach."""
         return int(self.gpu_memory_bytes * (1 - self.headroom))
-
-
-GPUS = {
-    # name: memory, dense bf16 FLOP/s, memory bandwidth, NVLink ring bandwidth per GPU, host link
-    "a100-40gb": (40 * 10**9, 312e12, 1.555e12, 230e9, 25e9),
-    "a100-80gb": (80 * 10**9, 312e12, 2.039e12, 230e9, 25e9),
-    "h100": (80 * 10**9, 989e12, 3.35e12, 360e9, 50e9),
-    "h200": (141 * 10**9, 989e12, 4.8e12, 360e9, 50e9),
-}
-"""Vendor figures; the ring bandwidths are NCCL bus bandwidths reported for 8-GPU NVSwitch nodes."""
 
 
 CPU_RANKS = dict(peak_flops=50e9, efficiency=1.0, micro_batch_overhead=0.01, intra_node_bandwidth=2e9,
