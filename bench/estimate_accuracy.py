@@ -46,7 +46,7 @@ import json, sys
 sys.path.insert(0, {repo!r})
 import zerodp
 from bench.estimate_accuracy import config_of, prepare_of
-from zerodp.plan.estimate import workload
+from zerodp.plan.workload import workload
 from zerodp.plan.measure import measure_training
 
 spec, case, micro_batch, seq_len, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -59,9 +59,9 @@ with open(f"{{out}}/rank{{zerodp.comm.get_rank()}}.json", "w") as f:
 
 
 def config_of(stage: int, dtype: str, offload: str, micro_batch: int) -> dict:
-    from zerodp.plan.estimate import Strategy, strategy_config
+    from zerodp.plan.model_states import StrategySpec, strategy_config
 
-    config = strategy_config(Strategy(stage, offload, offload if stage == 3 else "none", dtype), micro_batch)
+    config = strategy_config(StrategySpec(stage, offload, offload if stage == 3 else "none", dtype), micro_batch)
     config["steps_per_print"] = 10**6
     return config
 
@@ -93,7 +93,7 @@ def _env() -> dict:
 
 
 def predict(spec: str, case: tuple, micro_batch: int, seq_len: int, rank: int):
-    from zerodp.plan.estimate import workload
+    from zerodp.plan.workload import workload
     from zerodp.plan.simulate import simulate_training
 
     work = workload(spec)

@@ -44,7 +44,7 @@ _PROBE = """
 import json, statistics, sys, time
 sys.path.insert(0, {repo!r})
 import torch, torch.distributed as dist
-from zerodp.plan.estimate import workload
+from zerodp.plan.workload import workload
 from zerodp.plan.planner import count_flops
 
 spec, per_rank, seq_len, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -92,7 +92,7 @@ import torch, torch.distributed as dist
 import zerodp
 from zerodp import checkpointing
 from zerodp.plan.doctor import OutOfMemoryDiagnosed
-from zerodp.plan.estimate import workload
+from zerodp.plan.workload import workload
 from zerodp.plan.simulate import train_steps
 
 spec, seq_len, jobs, out = sys.argv[1], int(sys.argv[2]), json.loads(open(sys.argv[3]).read()), sys.argv[4]
@@ -182,7 +182,7 @@ def measure(spec: str, result, rounds: int, steps: int) -> list[dict]:
 def run_case(name: str, spec: str, figures: dict, fraction: float, reference_peak: int, rounds: int,
              steps: int, stages: tuple[int, ...] = (0, 1, 2, 3), policies: tuple[str, ...] = ("none", "blocks")) -> dict:
     from zerodp.plan.cluster import gpu_cluster
-    from zerodp.plan.estimate import workload
+    from zerodp.plan.workload import workload
     from zerodp.plan.planner import plan
 
     budget = int(reference_peak * fraction)
@@ -214,7 +214,8 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", default="none,blocks", help="policies (default %(default)s)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "plan_accuracy.json"))
     args = parser.parse_args()
-    from zerodp.plan.estimate import Strategy, workload
+    from zerodp.plan.model_states import StrategySpec
+    from zerodp.plan.workload import workload
     from zerodp.plan.simulate import simulate_strategy
 
     models = dict(list(MODELS.items())[:1]) if args.quick else MODELS
@@ -229,7 +230,7 @@ def main() -> None:
               f"{figures['intra_node_bandwidth'] / 1e9:.2f} GB/s + {figures['collective_latency'] * 1e6:.0f} us, "
               f"AdamW {figures['device_adam_rate'] / 1e6:.0f}M elements/s", flush=True)
         per_rank = GLOBAL_BATCH // RANKS
-        reference = simulate_strategy(workload(spec), Strategy(0, dtype=DTYPE), RANKS, per_rank, SEQ_LEN, device="cpu")
+        reference = simulate_strategy(workload(spec), StrategySpec(0, dtype=DTYPE), RANKS, per_rank, SEQ_LEN, device="cpu")
         for fraction in budgets:
             case = run_case(name, spec, figures, fraction, reference.peak["device"].bytes, args.rounds, args.steps,
                             stages, policies)

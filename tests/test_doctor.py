@@ -44,7 +44,7 @@ def test_optimizer_state_over_the_limit_names_the_step_and_the_stage_that_fits(t
     memory too, the same memory: offload is no remedy there.)"""
     from zerodp.cli import main
     from zerodp.demo import DEMO_DEFAULT, TinyGPT
-    from zerodp.plan.estimate import Strategy, flat_states, module_flats, buffer_bytes
+    from zerodp.plan.model_states import StrategySpec as Strategy, flat_states, module_flats, buffer_bytes
 
     outs = run_ranks(_train, 2, args=({"stage": 0}, 8, "16MB", str(tmp_path)))
     report = outs[0]["report"]

@@ -29,7 +29,7 @@ class _OneTensor(torch.nn.Module):
 
 def _ledgers(rank: int, world: int, dtype: str, nvme_dir: str, max_in_cpu: int) -> list:
     import zerodp
-    from zerodp.plan.estimate import every_strategy
+    from zerodp.plan.model_states import every_strategy
 
     precision = {"bf16": {"bf16": {"enabled": True}}, "fp32": {}}[dtype]
     out = []
@@ -52,7 +52,7 @@ def _ledgers(rank: int, world: int, dtype: str, nvme_dir: str, max_in_cpu: int) 
 @pytest.mark.parametrize("world,dtype,max_in_cpu", [(2, "bf16", 100), (4, "fp32", 100), (1, "bf16", 10**9)])
 def test_every_strategy_s_estimate_is_the_ledger_of_its_run(tmp_path, world: int, dtype: str, max_in_cpu: int) -> None:
     """max_in_cpu: parameter shards offloaded to nvme go there (100 elements) or stay in host memory."""
-    from zerodp.plan.estimate import model_states
+    from zerodp.plan.model_states import model_states
 
     for key in ("offload_optimizer", "offload_param"):
         (tmp_path / key).mkdir()
@@ -65,7 +65,7 @@ def test_every_strategy_s_estimate_is_the_ledger_of_its_run(tmp_path, world: int
 
 def test_the_zero_paper_s_figure_1() -> None:
     """7.5B parameters, Adam, mixed precision, 64 ranks: 120 / 31.4 / 16.6 / 1.9 GB per rank."""
-    from zerodp.plan.estimate import Strategy, model_states
+    from zerodp.plan.model_states import StrategySpec as Strategy, model_states
 
     gb = [model_states(7_500_000_000, 64, Strategy(stage)).bytes() / 1e9 for stage in range(4)]
     assert [round(g, 1) for g in gb] == [120.0, 31.4, 16.6, 1.9]
@@ -75,7 +75,7 @@ def test_deepspeed_s_estimator_figures_and_why_they_differ() -> None:
     """DeepSpeed (8 nodes x 8 GPUs, 7.5B): ZeRO-2 15.93 GB (GiB), 13.97 with CPU offload; ZeRO-3 2.71
     with a 200M largest layer. zerodp's figures count model states only: DeepSpeed adds the step's
     fp32 gradient copy (4Ψ/N) and, at stage 3, 4 bytes per element of the largest layer."""
-    from zerodp.plan.estimate import Strategy, deepspeed_estimate, model_states
+    from zerodp.plan.model_states import StrategySpec as Strategy, deepspeed_estimate, model_states
 
     gib, psi = 2**30, 7_500_000_000
     assert round(deepspeed_estimate(psi, 64, Strategy(2)) / gib, 2) == 15.93
@@ -124,7 +124,7 @@ def test_bad_arguments_are_named(capsys, argv: list[str], message: str) -> None:
 def _demo_ledgers(rank: int, world: int, nvme_dir: str, persistence: int) -> list:
     import zerodp
     from zerodp.demo import DEMO_DEFAULT, TinyGPT
-    from zerodp.plan.estimate import every_strategy
+    from zerodp.plan.model_states import every_strategy
 
     out = []
     for s in every_strategy("bf16"):
@@ -151,7 +151,7 @@ def test_a_model_built_on_the_meta_device_is_estimated_as_its_ledger(tmp_path, p
     meta-device copy equals each rank's ledger. At DeepSpeed's default persistence threshold every one
     of its parameters (at most 65,536 elements) stays whole at stage 3; at 0 the blocks are units."""
     from zerodp.demo import DEMO_DEFAULT, TinyGPT
-    from zerodp.plan.estimate import buffer_bytes, flat_states, module_flats
+    from zerodp.plan.model_states import buffer_bytes, flat_states, module_flats
 
     with torch.device("meta"):
         model = TinyGPT(DEMO_DEFAULT)
@@ -176,7 +176,7 @@ def test_models_from_the_demo_a_hugging_face_config_and_a_function(tmp_path, cap
     import transformers
 
     from zerodp.cli import main
-    from zerodp.plan.estimate import Strategy, model_states
+    from zerodp.plan.model_states import StrategySpec as Strategy, model_states
 
     assert main(["estimate", "tests.test_estimate:one_tensor", "--world-size", "4", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

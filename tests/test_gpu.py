@@ -74,7 +74,7 @@ GPT_110M = "gpt:vocab_size=32000,seq_len=256,d_model=768,n_layer=12,n_head=12"
 def _cuda_peak(config: dict) -> tuple[int, int]:
     """(torch.cuda.max_memory_allocated over two steps after initialize, the bytes allocated then)."""
     import zerodp
-    from zerodp.plan.estimate import workload
+    from zerodp.plan.workload import workload
 
     work = workload(GPT_110M)
     engine, *_ = zerodp.initialize(model=work.build(), config=config)
@@ -94,7 +94,8 @@ def test_the_simulated_peak_is_the_cuda_allocator_s(stage: int, offload: str) ->
     """`zerodp estimate`'s device peak (a rank simulated on meta, attention as flash kernels) against
     torch.cuda.max_memory_allocated of the real run, 1 rank, bf16, 2 x 256 tokens. The allocator rounds
     each block up to 512 bytes and holds cuBLAS's workspace: within 3% is the claim to check."""
-    from zerodp.plan.estimate import Strategy, strategy_config, workload
+    from zerodp.plan.model_states import StrategySpec as Strategy, strategy_config
+    from zerodp.plan.workload import workload
     from zerodp.plan.simulate import simulate_training
 
     s = Strategy(stage, offload, offload if stage == 3 else "none")

@@ -28,7 +28,7 @@ def _counted(work, model: nn.Module) -> int:
 
 def _profiled(rank: int, world: int, out: str) -> dict:
     from zerodp import checkpointing
-    from zerodp.plan.estimate import workload
+    from zerodp.plan.workload import workload
 
     work = workload("demo")
     models = []

@@ -21,7 +21,7 @@ TOLERANCE = 0.02  # the issue's target; the runs below agree far closer (bench/e
 
 
 def _config(stage: int, dtype: str, offload: str) -> dict:
-    from zerodp.plan.estimate import Strategy, strategy_config
+    from zerodp.plan.model_states import StrategySpec as Strategy, strategy_config
 
     s = Strategy(stage, offload, offload if stage == 3 else "none", dtype)
     config = strategy_config(s, MICRO_BATCH)
@@ -37,7 +37,7 @@ def _prepare(policy: str):
 
 
 def _measured(rank: int, world: int, spec: str, stage: int, dtype: str, offload: str, policy: str) -> tuple:
-    from zerodp.plan.estimate import workload
+    from zerodp.plan.workload import workload
     from zerodp.plan.measure import measure_training
 
     work = workload(spec)
@@ -46,7 +46,7 @@ def _measured(rank: int, world: int, spec: str, stage: int, dtype: str, offload:
 
 
 def _simulated(spec: str, world: int, rank: int, stage: int, dtype: str, offload: str, policy: str):
-    from zerodp.plan.estimate import workload
+    from zerodp.plan.workload import workload
     from zerodp.plan.simulate import simulate_training
 
     work = workload(spec)
@@ -96,7 +96,8 @@ def test_attention_on_the_simulated_gpu_keeps_o_of_s_not_the_score_matrix() -> N
     """On meta (the simulated GPU) attention runs as flash attention: the bytes one forward leaves for
     backward grow linearly with the sequence (twice the tokens, twice the bytes, to the rounding of
     the loss's scalars); the math path's s x s scores would grow them about fourfold at this width."""
-    from zerodp.plan.estimate import Strategy, workload
+    from zerodp.plan.model_states import StrategySpec as Strategy
+    from zerodp.plan.workload import workload
     from zerodp.plan.simulate import simulate_strategy
 
     work = workload("gpt:vocab_size=64,seq_len=2048,d_model=64,n_layer=2,n_head=8")
@@ -108,7 +109,8 @@ def test_simulating_1024_ranks_gives_stage_3_s_one_1024th() -> None:
     """Any world size on one CPU: at 1,024 ranks a stage-3 rank holds 1/1024 of the sharded model
     states the ledger predicts, from the same code that trains."""
     from zerodp.memory import DEVICE
-    from zerodp.plan.estimate import Strategy, buffer_bytes, flat_states, meta_model, module_flats, workload
+    from zerodp.plan.model_states import StrategySpec as Strategy, buffer_bytes, flat_states, module_flats
+    from zerodp.plan.workload import meta_model, workload
     from zerodp.plan.simulate import simulate_strategy
 
     spec = "gpt:vocab_size=256,seq_len=64,d_model=256,n_layer=2,n_head=4"
@@ -122,7 +124,8 @@ def test_simulating_1024_ranks_gives_stage_3_s_one_1024th() -> None:
 
 def test_zerodp_estimate_reports_the_simulated_peak(capsys) -> None:
     from zerodp.cli import main
-    from zerodp.plan.estimate import Strategy, workload
+    from zerodp.plan.model_states import StrategySpec as Strategy
+    from zerodp.plan.workload import workload
     from zerodp.plan.simulate import simulate_strategy
 
     small = "gpt:vocab_size=64,seq_len=16,d_model=32,n_layer=2,n_head=2"
@@ -146,7 +149,8 @@ def test_stage_2_s_bucket_holds_every_gradient_of_a_model_smaller_than_it() -> N
     elements, more than the model) stage 2's backward packs every gradient at once, so most of what
     stage 2 saves at the peak needs a bucket smaller than the model (on the 110M GPT the docs show,
     the default saves 0.5% over stage 1)."""
-    from zerodp.plan.estimate import Strategy, strategy_config, workload
+    from zerodp.plan.model_states import StrategySpec as Strategy, strategy_config
+    from zerodp.plan.workload import workload
     from zerodp.plan.simulate import simulate_training
 
     work = workload("gpt:vocab_size=256,seq_len=64,d_model=128,n_layer=4,n_head=4")
@@ -189,7 +193,8 @@ def test_the_private_torch_pieces_the_simulation_stands_on() -> None:
 def test_a_simulation_does_not_check_this_machine_s_memory(monkeypatch) -> None:
     """The estimate is for another machine: neither the device limit nor this host's free memory
     (the offload preflight) refuses a simulated run that would not fit here."""
-    from zerodp.plan.estimate import Strategy, workload
+    from zerodp.plan.model_states import StrategySpec as Strategy
+    from zerodp.plan.workload import workload
     from zerodp.plan.simulate import simulate_strategy
 
     def no_room_here(*args, **kwargs):

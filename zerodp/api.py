@@ -19,6 +19,8 @@ from zerodp.precision import DtypePolicy
 from zerodp.profiler import check_output_file
 from zerodp.zero import strategy_class
 from zerodp.zero.units import full_numel
+from zerodp.plan import engines
+from zerodp.plan.doctor import Doctor
 from zerodp.plan.preflight import preflight_memory
 from zerodp.zero.topology import node_layout
 
@@ -67,13 +69,7 @@ def initialize(
     strategy_cls = strategy_class(cfg)
     forward_only = forward_only_reason(model, model_parameters, optimizer, cfg.optimizer)
     groups = [] if forward_only else param_groups_from(model, model_parameters, optimizer)
-    _check_partitioning(model, cfg)
-    if cfg.flops_profiler.enabled:
-        check_output_file(cfg.flops_profiler.output_file)
-    if not comm.simulated():  # this machine's memory says nothing about the one a simulation estimates
-        preflight_offload(cfg, sum(full_numel(p) for g in groups for p in g["params"]))
-        if not forward_only:  # an engine that trains: its model states are the estimator's
-            preflight_memory(cfg, model, {p for g in groups for p in g["params"]}, cfg.batch.world_size)
+    _preflight(model, cfg, groups, forward_only)
     if dist_init_required is False and not comm.is_initialized():
         raise ValueError("dist_init_required=False but torch.distributed is not initialised")
     comm.init_distributed()
@@ -93,13 +89,31 @@ def initialize(
     if cfg.activation_checkpointing != type(cfg.activation_checkpointing)():
         checkpointing.configure(deepspeed_config=cfg)
     engine = Engine(model, cfg, strategy, scheduler, training_data, collate_fn)
+    engine.watch_phases(Doctor(engine))  # out of memory in forward, backward or step: one report
     comm.ledger.end_init()
+    _announce(cfg, forward_only)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _preflight(model: nn.Module, cfg: ZeroDPConfig, groups: list[dict], forward_only: str | None) -> None:
+    """What a user can get wrong that this rank can see alone, refused before any collective: partitions
+    zerodp cannot read, an unwritable profile, model states or an offload that do not fit this machine."""
+    _check_partitioning(model, cfg)
+    if cfg.flops_profiler.enabled:
+        check_output_file(cfg.flops_profiler.output_file)
+    if not comm.simulated():  # this machine's memory says nothing about the one a simulation estimates
+        preflight_offload(cfg, sum(full_numel(p) for g in groups for p in g["params"]))
+        if not forward_only:  # an engine that trains: its model states are the estimator's
+            preflight_memory(cfg, model, {p for g in groups for p in g["params"]}, cfg.batch.world_size)
+
+
+def _announce(cfg: ZeroDPConfig, forward_only: str | None) -> None:
+    """The one line (and with dump_state the resolved config) initialize logs on rank 0."""
     show_on_stderr(cfg.log_level)
     log_rank0("zerodp: stage %d, %s, %s", cfg.zero_optimization.stage, cfg.precision,
               f"forward only ({forward_only})" if forward_only else cfg.batch.describe())
     if cfg.dump_state:
         log_rank0("zerodp config, resolved (dump_state):\n%s", cfg.model_dump_json(indent=2, exclude_none=True))
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
 def _warn_if_slow_offloaded_optimizer(strategy) -> None:
@@ -171,3 +185,6 @@ def _check_ranks_agree(model: nn.Module, cfg: ZeroDPConfig, device: torch.device
         differ = [r for r, got in enumerate(rows) if got[col] != rows[0][col]]
         if differ:
             raise ValueError(f"ranks {differ} have a different {what} from rank 0; every rank must build the same")
+
+
+engines.provide(initialize)  # what plan/ builds its simulated and measured engines with (zerodp/plan/engines.py)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -28,7 +28,6 @@ from zerodp.log import log_rank0, logger
 from zerodp.memory import DEVICE, Category
 from zerodp.offload.park import ParkedStorages
 from zerodp.optim import NoOptimizer
-from zerodp.plan.doctor import Doctor
 from zerodp.precision import make_loss_scaler, overflow_message
 from zerodp.profiler import FlopsProfiler, device_peak_flops
 from zerodp.offload.diagnosis import OffloadProbes, diagnose, probe_offload
@@ -40,6 +39,22 @@ _engine_backwards_running = 0
 """engine.backward calls in progress in this process, any engine's: their loss is already divided by
 the accumulation steps, so no engine's forward hook divides it again (a GAN generator's loss runs
 through the discriminator engine's output)."""
+
+
+class PhaseWatcher(Protocol):
+    """What watches the engine's phases ("forward", "backward", "step"): the OOM doctor."""
+
+    def watching(self, phase: str) -> AbstractContextManager[None]: ...
+
+
+class _Unwatched:
+    """No watcher: each phase runs as it is."""
+
+    def watching(self, phase: str) -> AbstractContextManager[None]:
+        return nullcontext()
+
+
+UNWATCHED = _Unwatched()
 
 
 class Engine(nn.Module):
@@ -100,8 +115,13 @@ class Engine(nn.Module):
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
         self._manual_scales = 0  # engine.scale(loss) calls since the last step, for loss.backward()
         strategy.implicit_backward_boundary = lambda: self.is_gradient_accumulation_boundary() and not self._no_sync
-        self.doctor = Doctor(self)  # out of memory in forward, backward or step: one report (zerodp/plan/doctor.py)
+        self.doctor: PhaseWatcher = UNWATCHED  # api.initialize installs the OOM doctor (watch_phases)
         _clear_strategy_grads_on_module_zero_grad(module, self)
+
+    def watch_phases(self, watcher: "PhaseWatcher") -> None:
+        """Run forward, backward and the optimizer step inside `watcher.watching(phase)` from now on
+        (api.initialize installs zerodp/plan/doctor.py's OOM doctor here; the engine never imports it)."""
+        self.doctor = watcher
 
     def __getattr__(self, name: str) -> Any:
         """An attribute the engine does not have is looked up on the wrapped module, as DeepSpeed's
@@ -615,7 +635,7 @@ class Engine(nn.Module):
         CUDA, "cuda-events" (events on the stream that runs the work: the device's time):
         zerodp/timers.py's [Note: the step breakdown]. With `flops_profiler.enabled`, from the profiled step on, `flops`
         (the profiled micro-batch's forward + backward FLOPs x the accumulation steps), `flops_per_s`
-        (per `seconds`) and, in bf16 / fp16 on a GPU zerodp.plan.cluster.GPUS names, `mfu` (the model
+        (per `seconds`) and, in bf16 / fp16 on a GPU zerodp.gpus.GPUS names, `mfu` (the model
         FLOPs utilisation: flops_per_s / the device's dense 16-bit peak); None otherwise. With offload,
         `offload`: the step's copies, disk bytes and CPU step against bandwidths probed at start-up,
         and `advice` (zerodp/offload/diagnosis.py's [Note: the offload diagnosis])."""

@@ -155,34 +155,8 @@ def diagnose(report: dict, probes: OffloadProbes, traffic: dict[str, tuple[int, 
     zero = config.zero_optimization
     step = max(report["seconds"], 1e-9)
     advice: list[dict] = []
-    # the host-device link
-    copies = {"bytes": report["offload_bytes"], "seconds": report["offload_transfers"], "floor_seconds": None}
-    link = probes.copy_GBps
-    if link is not None and copies["bytes"]:
-        pinned, pageable = min(link["h2d_pinned"], link["d2h_pinned"]), min(link["h2d_pageable"], link["d2h_pageable"])
-        copies["floor_seconds"] = copies["bytes"] / (pinned * 1e9)
-        unpinned = [name for name in ("offload_optimizer", "offload_param")
-                    if (s := getattr(zero, name)) is not None and s.device == "cpu" and not s.pin_memory]
-        if unpinned and copies["seconds"] >= _NOTABLE * step and pinned >= 1.5 * pageable:
-            advice.append(_advice(
-                f"host-device copies waited {copies['seconds']:.3f} s from pageable memory; the start-up probe copied "
-                f"at {pinned:.1f} GB/s pinned against {pageable:.1f} pageable: set pin_memory true in "
-                f"{' and '.join(unpinned)}", f"{unpinned[0]}.pin_memory", copies["seconds"] * (1 - pageable / pinned)))
-        if copies["floor_seconds"] >= 0.5 * step:
-            advice.append(_advice(
-                f"the host-device link sets the pace: {copies['bytes'] / 1e6:,.1f} MB crossed it this step, at least "
-                f"{copies['floor_seconds']:.3f} s at the probed {pinned:.1f} GB/s of the step's {step:.3f} s; fewer bytes "
-                "cross with offload_param off when the parameters fit (zerodp estimate), and more "
-                "gradient_accumulation_steps spread the optimizer's copies (once per step) over more samples"))
-    # the disks
-    disks, floor = {}, 0.0
-    for name, (read, written) in traffic.items():
-        probe = probes.disk.get(name)
-        seconds = None
-        if probe is not None and probe.read_MBps > 0 and probe.write_MBps > 0:
-            seconds = read / (probe.read_MBps * 1e6) + written / (probe.write_MBps * 1e6)
-            floor += seconds
-        disks[name] = {"read_bytes": read, "written_bytes": written, "floor_seconds": seconds}
+    copies = _link_figures(advice, report, probes, zero, step)
+    disks, floor = _disk_figures(traffic, probes)
     probed = any(d["floor_seconds"] is not None for d in disks.values())
     # the host optimizer, and the optimizer's swap pipeline
     cpu_step = report["optimizer"] if host_elements else 0.0
@@ -193,29 +167,9 @@ def diagnose(report: dict, probes: OffloadProbes, traffic: dict[str, tuple[int, 
     if layout is not None and layout["chunks"]:
         explained = _swap_pipeline_advice(advice, layout, cpu_step, host["probe_seconds"],
                                           disks.get("optimizer", {}).get("floor_seconds"), step, zero)
-    if probed and not explained and floor >= 0.5 * step:
-        advice.append(_advice(
-            f"the disk sets the pace: this step read {sum(r for r, _ in traffic.values()) / 1e6:,.1f} MB and wrote "
-            f"{sum(w for _, w in traffic.values()) / 1e6:,.1f} MB, at least {floor:.3f} s at the probed bandwidth, of "
-            f"its {step:.3f} s; no buffer_count or sub_group_size goes below that. What does: a faster disk or one per "
-            "rank (nvme_path), more gradient_accumulation_steps (the optimizer's swap traffic is once per optimizer "
-            "step), or offload_optimizer.device cpu where host memory holds its 12 bytes per owned element"))
-    if probed and report["nvme_wait"] > 1.5 * floor + _NOTABLE * step:
-        advice.append(_advice(
-            f"the step waited {report['nvme_wait']:.3f} s on the disk where the start-up probe's bandwidth needs "
-            f"{floor:.3f} s: the disk is slower than at start-up (another process using it, or a drive whose write "
-            "cache filled under sustained writes)"))
-    in_passes = report["nvme_wait"] - report["nvme_wait_in_step"]
-    passes = report["forward"] + report["backward"]  # what a read ahead hides behind
-    if (min(in_passes, passes) >= _NOTABLE * step and zero.offload_param is not None
-            and zero.offload_param.device == "nvme"):
-        section = zero.offload_param
-        advice.append(_advice(
-            f"forward and backward waited {in_passes:.3f} s for parameter shards read from the disk beside "
-            f"{passes:.3f} s of compute to read them behind: offload_param.buffer_count ({section.buffer_count} units) "
-            f"and buffer_count x buffer_size ({section.buffer_size:,} elements) bound the read-ahead, and max_in_cpu "
-            f"({section.max_in_cpu:,} elements) keeps shards in host memory: raise them as host memory allows",
-            "offload_param.buffer_count", min(in_passes, passes)))
+    if probed:
+        _disk_advice(advice, report, traffic, floor, step, explained)
+    _read_ahead_advice(advice, report, zero, step)
     if host_elements and cpu_step >= 0.3 * step and not explained:
         probe_s = "" if host["probe_seconds"] is None else f" (the start-up probe: {host['probe_seconds']:.3f} s)"
         advice.append(_advice(
@@ -225,6 +179,76 @@ def diagnose(report: dict, probes: OffloadProbes, traffic: dict[str, tuple[int, 
             "and more CPU cores per rank shorten it", "gradient_accumulation_steps"))
     return {"copies": copies, "disk": disks, "disk_floor_seconds": floor if probed else None,
             "host_optimizer": host, "swap_layout": dict(layout) if layout is not None else None, "probes": probes.as_dict(), "advice": advice}
+
+
+def _link_figures(advice: list[dict], report: dict, probes: OffloadProbes, zero: Any, step: float) -> dict:
+    """The host-device link's bytes, wait and floor this step, with its advice (pinning, fewer bytes)."""
+    copies = {"bytes": report["offload_bytes"], "seconds": report["offload_transfers"], "floor_seconds": None}
+    link = probes.copy_GBps
+    if link is None or not copies["bytes"]:
+        return copies
+    pinned, pageable = min(link["h2d_pinned"], link["d2h_pinned"]), min(link["h2d_pageable"], link["d2h_pageable"])
+    copies["floor_seconds"] = copies["bytes"] / (pinned * 1e9)
+    unpinned = [name for name in ("offload_optimizer", "offload_param")
+                if (s := getattr(zero, name)) is not None and s.device == "cpu" and not s.pin_memory]
+    if unpinned and copies["seconds"] >= _NOTABLE * step and pinned >= 1.5 * pageable:
+        advice.append(_advice(
+            f"host-device copies waited {copies['seconds']:.3f} s from pageable memory; the start-up probe copied "
+            f"at {pinned:.1f} GB/s pinned against {pageable:.1f} pageable: set pin_memory true in "
+            f"{' and '.join(unpinned)}", f"{unpinned[0]}.pin_memory", copies["seconds"] * (1 - pageable / pinned)))
+    if copies["floor_seconds"] >= 0.5 * step:
+        advice.append(_advice(
+            f"the host-device link sets the pace: {copies['bytes'] / 1e6:,.1f} MB crossed it this step, at least "
+            f"{copies['floor_seconds']:.3f} s at the probed {pinned:.1f} GB/s of the step's {step:.3f} s; fewer bytes "
+            "cross with offload_param off when the parameters fit (zerodp estimate), and more "
+            "gradient_accumulation_steps spread the optimizer's copies (once per step) over more samples"))
+    return copies
+
+
+def _disk_figures(traffic: dict[str, tuple[int, int]], probes: OffloadProbes) -> tuple[dict, float]:
+    """Per swap store its bytes read and written and the seconds they need at the probed bandwidth (None
+    unprobed), and the sum of those floors."""
+    disks, floor = {}, 0.0
+    for name, (read, written) in traffic.items():
+        probe = probes.disk.get(name)
+        seconds = None
+        if probe is not None and probe.read_MBps > 0 and probe.write_MBps > 0:
+            seconds = read / (probe.read_MBps * 1e6) + written / (probe.write_MBps * 1e6)
+            floor += seconds
+        disks[name] = {"read_bytes": read, "written_bytes": written, "floor_seconds": seconds}
+    return disks, floor
+
+
+def _disk_advice(advice: list[dict], report: dict, traffic: dict[str, tuple[int, int]], floor: float, step: float,
+                 explained: bool) -> None:
+    """The disk setting the pace (unless the swap pipeline's advice explained the step), or slower than probed."""
+    if not explained and floor >= 0.5 * step:
+        advice.append(_advice(
+            f"the disk sets the pace: this step read {sum(r for r, _ in traffic.values()) / 1e6:,.1f} MB and wrote "
+            f"{sum(w for _, w in traffic.values()) / 1e6:,.1f} MB, at least {floor:.3f} s at the probed bandwidth, of "
+            f"its {step:.3f} s; no buffer_count or sub_group_size goes below that. What does: a faster disk or one per "
+            "rank (nvme_path), more gradient_accumulation_steps (the optimizer's swap traffic is once per optimizer "
+            "step), or offload_optimizer.device cpu where host memory holds its 12 bytes per owned element"))
+    if report["nvme_wait"] > 1.5 * floor + _NOTABLE * step:
+        advice.append(_advice(
+            f"the step waited {report['nvme_wait']:.3f} s on the disk where the start-up probe's bandwidth needs "
+            f"{floor:.3f} s: the disk is slower than at start-up (another process using it, or a drive whose write "
+            "cache filled under sustained writes)"))
+
+
+def _read_ahead_advice(advice: list[dict], report: dict, zero: Any, step: float) -> None:
+    """Forward and backward waiting on parameter shards read from NVMe that the read-ahead could hide."""
+    in_passes = report["nvme_wait"] - report["nvme_wait_in_step"]
+    passes = report["forward"] + report["backward"]  # what a read ahead hides behind
+    section = zero.offload_param
+    if min(in_passes, passes) < _NOTABLE * step or section is None or section.device != "nvme":
+        return
+    advice.append(_advice(
+        f"forward and backward waited {in_passes:.3f} s for parameter shards read from the disk beside "
+        f"{passes:.3f} s of compute to read them behind: offload_param.buffer_count ({section.buffer_count} units) "
+        f"and buffer_count x buffer_size ({section.buffer_size:,} elements) bound the read-ahead, and max_in_cpu "
+        f"({section.max_in_cpu:,} elements) keeps shards in host memory: raise them as host memory allows",
+        "offload_param.buffer_count", min(in_passes, passes)))
 
 
 def _swap_pipeline_advice(advice: list[dict], layout: dict, cpu_step: float, probe_step: float | None,

@@ -29,7 +29,8 @@ import torch
 
 from zerodp import comm
 from zerodp.memory import DEVICE
-from zerodp.plan.estimate import Strategy, decimal_size, every_strategy
+from zerodp.plan.estimate import decimal_size
+from zerodp.plan.model_states import StrategySpec, every_strategy
 from zerodp.plan.preflight import LIMIT_ENV, device_bytes, limit_from_env, strategy_of
 from zerodp.plan.simulate import LiveBytes, counting_resizes
 
@@ -170,7 +171,7 @@ _TRANSIENT_KEYS = {"reduce_bucket": "zero_optimization.reduce_bucket_size",  # t
                    "gathered_params": "zero_optimization.stage3_max_live_parameters / stage3_prefetch_bucket_size"}
 
 
-def _config_change(now: Strategy, to: Strategy) -> str:
+def _config_change(now: StrategySpec, to: StrategySpec) -> str:
     parts = [] if to.stage == now.stage else [f"zero_optimization.stage {now.stage} -> {to.stage}"]
     for key, old, new in (("offload_optimizer", now.offload_optimizer, to.offload_optimizer),
                           ("offload_param", now.offload_param, to.offload_param)):

@@ -23,6 +23,10 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from zerodp import comm
+from zerodp.plan.engines import EngineFactory, build_engine
+from zerodp.plan.simulate import train_steps
+
 _MARK = "zerodp.measure.mark:"
 
 
@@ -70,20 +74,18 @@ class AllocatorTrace:
         return live if peak is None else peak
 
 
-def measure_training(build: Any, config: dict, batch: Any, steps: int = 2, prepare: Any = None) -> tuple[int, dict]:
+def measure_training(build: Any, config: dict, batch: Any, steps: int = 2, prepare: Any = None,
+                     initialize: EngineFactory | None = None) -> tuple[int, dict]:
     """The real counterpart of zerodp.plan.simulate.simulate_training, on this rank of the process
     group that exists: (the peak of live bytes over `steps` optimizer steps after initialize, from
     the allocator, and the engine's ledger `held`). Same arguments as simulate_training's."""
-    import zerodp
-    from zerodp.plan.simulate import train_steps
-
     with AllocatorTrace() as trace:
         model = build()
         if prepare is not None:
             prepare(model)
-        engine, *_ = zerodp.initialize(model=model, config=config)
+        engine = build_engine(initialize, model=model, config=config)
         del model
-        zerodp.comm.drain_pending()  # gloo's threads let go of initialize's tensors when they get to it
+        comm.drain_pending()  # gloo's threads let go of initialize's tensors when they get to it
         trace.mark("train")
         train_steps(engine, batch, steps)
     return trace.peak_since("train"), engine.memory_report()["held"]

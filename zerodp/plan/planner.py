@@ -25,8 +25,10 @@ from typing import Callable
 
 from zerodp.memory import CPU, DEVICE, NVME
 from zerodp.plan.cluster import Cluster, StepTime, Work, step_time
-from zerodp.plan.estimate import (DTYPES, Strategy, Workload, buffer_bytes, decimal_size, flat_states, module_flats,
-                                  strategy_config)
+from zerodp.plan.engines import EngineFactory
+from zerodp.plan.estimate import decimal_size
+from zerodp.plan.model_states import DTYPES, StrategySpec, buffer_bytes, flat_states, module_flats, strategy_config
+from zerodp.plan.workload import Workload
 
 DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size, elements
 
@@ -48,7 +50,7 @@ class Candidate:
     """A config that fits: its strategy, checkpointing policy, batch split, predicted peaks per rank
     (device, host) and step time."""
 
-    strategy: Strategy
+    strategy: StrategySpec
     activation_checkpointing: str
     micro_batch: int
     accumulation: int
@@ -134,20 +136,20 @@ def _slower_because(best: Candidate, other: Candidate) -> str:
     return f"{slower}: {reason}"
 
 
-def plan_strategies(cluster: Cluster, dtype: str) -> list[Strategy]:
+def plan_strategies(cluster: Cluster, dtype: str) -> list[StrategySpec]:
     """The strategies a plan tries: stages 0-3, and on GPUs optimizer offload from stage 1 and parameter
     offload at stage 3 (to the CPU; to NVMe when the nodes have it), cheapest first."""
-    out = [Strategy(s, dtype=dtype) for s in range(4)]
+    out = [StrategySpec(s, dtype=dtype) for s in range(4)]
     if cluster.device == "cpu":
         return out  # the device is host memory: offloading to it saves nothing
-    out += [Strategy(1, "cpu", dtype=dtype), Strategy(2, "cpu", dtype=dtype), Strategy(3, "cpu", dtype=dtype),
-            Strategy(3, "cpu", "cpu", dtype=dtype)]
+    out += [StrategySpec(1, "cpu", dtype=dtype), StrategySpec(2, "cpu", dtype=dtype), StrategySpec(3, "cpu", dtype=dtype),
+            StrategySpec(3, "cpu", "cpu", dtype=dtype)]
     if cluster.nvme_bytes:
-        out += [Strategy(2, "nvme", dtype=dtype), Strategy(3, "nvme", dtype=dtype), Strategy(3, "nvme", "nvme", dtype=dtype)]
+        out += [StrategySpec(2, "nvme", dtype=dtype), StrategySpec(3, "nvme", dtype=dtype), StrategySpec(3, "nvme", "nvme", dtype=dtype)]
     return out
 
 
-def _dominators(s: Strategy, policy: str) -> list[tuple[Strategy, str]]:
+def _dominators(s: StrategySpec, policy: str) -> list[tuple[StrategySpec, str]]:
     """Candidates that, fitting the largest micro-batch, are at least as fast as (s, policy)."""
     out = [(s, "none")] if policy != "none" else []
     if "nvme" in (s.offload_optimizer, s.offload_param):
@@ -155,7 +157,7 @@ def _dominators(s: Strategy, policy: str) -> list[tuple[Strategy, str]]:
     if s.offload_param != "none":
         out.append((replace(s, offload_param="none"), policy))
     elif s.offload_optimizer != "none":
-        out.append((Strategy(s.stage, dtype=s.dtype), policy))
+        out.append((StrategySpec(s.stage, dtype=s.dtype), policy))
     if s.stage in (2, 3):
         out.append((replace(s, stage=s.stage - 1, offload_param="none"), policy))
     return out
@@ -163,11 +165,12 @@ def _dominators(s: Strategy, policy: str) -> list[tuple[Strategy, str]]:
 
 def plan(work: Workload, cluster: Cluster, seq_len: int, global_batch: int, dtype: str = "bf16",
          policies: tuple[str, ...] = ("none", "blocks"), exhaustive: bool = False,
-         progress: Callable[[str], None] | None = None) -> Plan:
+         progress: Callable[[str], None] | None = None, initialize: EngineFactory | None = None) -> Plan:
     """Search the configs that fit `cluster` for `work` at `seq_len` tokens and `global_batch`
     samples per optimizer step (a multiple of the world size; ValueError otherwise), ranked by
     predicted step time. `exhaustive`: simulate dominated candidates too (the planner bench measures
-    every candidate). `progress(line)` hears of each simulation."""
+    every candidate). `progress(line)` hears of each simulation. `initialize` builds the simulated
+    engines (default: zerodp.initialize; zerodp/plan/engines.py)."""
     world = cluster.world_size
     if global_batch % world:
         raise ValueError(f"--global-batch {global_batch}: not a multiple of the {world} ranks "
@@ -176,8 +179,9 @@ def plan(work: Workload, cluster: Cluster, seq_len: int, global_batch: int, dtyp
     if not work.feeds(module):
         raise ValueError(f"MODEL {work.spec!r}: its input is unknown (not a causal LM, no estimate_inputs), so its "
                          "activations cannot be simulated")
-    search = _Search(work, module, cluster, seq_len, global_batch // world, dtype, progress or (lambda line: None))
-    reached: set[tuple[Strategy, str]] = set()
+    search = _Search(work, module, cluster, seq_len, global_batch // world, dtype, progress or (lambda line: None),
+                     initialize)
+    reached: set[tuple[StrategySpec, str]] = set()
     left_out: list[dict] = []
     found: list[Candidate] = []
     for policy in policies:
@@ -204,7 +208,7 @@ def plan(work: Workload, cluster: Cluster, seq_len: int, global_batch: int, dtyp
     return Plan(cluster, seq_len, global_batch, found, left_out, search.simulations)
 
 
-def _left(s: Strategy, policy: str, why: str) -> dict:
+def _left(s: StrategySpec, policy: str, why: str) -> dict:
     return {"strategy": s.describe(), "stage": s.stage, "offload_optimizer": s.offload_optimizer,
             "offload_param": s.offload_param, "activation_checkpointing": policy, "why": why}
 
@@ -220,6 +224,7 @@ class _Search:
     per_rank: int  # samples per rank per optimizer step
     dtype: str
     say: Callable[[str], None]
+    initialize: EngineFactory | None = None  # builds the simulated engines
     simulations: int = 0
     _sims: dict = field(default_factory=dict)
     _flops: dict = field(default_factory=dict)
@@ -228,7 +233,7 @@ class _Search:
     def numel(self) -> int:
         return sum(p.numel() for p in self.module.parameters() if p.requires_grad)
 
-    def best(self, s: Strategy, policy: str) -> Candidate | str:
+    def best(self, s: StrategySpec, policy: str) -> Candidate | str:
         """The candidate of (s, policy) at the largest micro-batch that fits, or why none does."""
         c, world = self.cluster, self.cluster.world_size
         states = flat_states(module_flats(self.module, s.stage, world, offload_param=s.offload_param), world, s,
@@ -263,7 +268,7 @@ class _Search:
             return f"micro-batch 1 peaks at {decimal_size(sim.peak[DEVICE].bytes)} of {decimal_size(c.usable_bytes)}"
         return self._candidate(s, policy, best)
 
-    def _fits(self, s: Strategy, sim: "Simulation") -> bool:
+    def _fits(self, s: StrategySpec, sim: "Simulation") -> bool:
         c = self.cluster
         if sim.peak[DEVICE].bytes > c.usable_bytes:
             return False
@@ -271,7 +276,7 @@ class _Search:
         return c.device == "cpu" or "nvme" in (s.offload_optimizer, s.offload_param) or \
             host * c.gpus_per_node <= c.host_memory_bytes
 
-    def _simulate(self, s: Strategy, policy: str, micro_batch: int) -> "Simulation | str":
+    def _simulate(self, s: StrategySpec, policy: str, micro_batch: int) -> "Simulation | str":
         from zerodp.plan.simulate import simulate_strategy
 
         accumulation = min(self.per_rank // micro_batch, 2)  # a third micro-batch repeats the second
@@ -283,7 +288,8 @@ class _Search:
             device = "cpu" if self.cluster.device == "cpu" else "meta"
             try:
                 self._sims[key] = simulate_strategy(self.work, s, self.cluster.world_size, micro_batch, self.seq_len,
-                                                    policy, device, accumulation=accumulation, zero=zero)
+                                                    policy, device, accumulation=accumulation, zero=zero,
+                                                    initialize=self.initialize)
             except ValueError:
                 raise
             except Exception as err:  # noqa: BLE001 - the model's own code under fake tensors
@@ -297,17 +303,17 @@ class _Search:
             self._flops[key] = count_flops(self.work, micro_batch, self.seq_len, policy)
         return self._flops[key]
 
-    def lower_bound(self, s: Strategy, policy: str) -> float:
+    def lower_bound(self, s: StrategySpec, policy: str) -> float:
         """The step time (s, policy) cannot beat: every sample in one micro-batch, no communication."""
         return step_time(self._work(s, policy, self.per_rank, {}, {}), self.cluster).total
 
-    def _work(self, s: Strategy, policy: str, micro_batch: int, comm_bytes: dict, comm_calls: dict) -> Work:
+    def _work(self, s: StrategySpec, policy: str, micro_batch: int, comm_bytes: dict, comm_calls: dict) -> Work:
         w = DTYPES[s.dtype]
         shard = self.numel if s.stage == 0 else math.ceil(self.numel / self.cluster.world_size)
         return Work(self.flops(policy, micro_batch), self.per_rank // micro_batch, comm_bytes, comm_calls, shard,
                     w * shard, w * shard, s.offload_optimizer, s.offload_param)
 
-    def _candidate(self, s: Strategy, policy: str, micro_batch: int) -> Candidate:
+    def _candidate(self, s: StrategySpec, policy: str, micro_batch: int) -> Candidate:
         sim = self._simulate(s, policy, micro_batch)
         accumulation = self.per_rank // micro_batch
         extra = accumulation - min(accumulation, 2)  # micro-batches like the simulated non-last one

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from zerodp.memory import DEVICE
-from zerodp.plan.estimate import Strategy, buffer_bytes, decimal_size, every_strategy, flat_states, module_flats
+from zerodp.plan.estimate import decimal_size
+from zerodp.plan.model_states import StrategySpec, buffer_bytes, every_strategy, flat_states, module_flats
 
 LIMIT_ENV, SWITCH_ENV = "ZERODP_DEVICE_MEMORY_LIMIT", "ZERODP_PREFLIGHT"
 
@@ -72,15 +73,15 @@ def preflight_memory(config: Any, module: torch.nn.Module, trainable: set, world
         + f"(`zerodp estimate` shows every strategy; {SWITCH_ENV}=0 skips this check)")
 
 
-def strategy_of(config: Any) -> Strategy:
-    """The estimator's Strategy of a loaded config."""
+def strategy_of(config: Any) -> StrategySpec:
+    """The estimator's StrategySpec of a loaded config."""
     zero = config.zero_optimization
     devices = [getattr(section, "device", "none") if section is not None else "none"
                for section in (zero.offload_optimizer, zero.offload_param)]
-    return Strategy(zero.stage, devices[0], devices[1] if zero.stage == 3 else "none", config.precision)
+    return StrategySpec(zero.stage, devices[0], devices[1] if zero.stage == 3 else "none", config.precision)
 
 
-def device_bytes(config: Any, module: torch.nn.Module, trainable: set, world_size: int, s: Strategy) -> int:
+def device_bytes(config: Any, module: torch.nn.Module, trainable: set, world_size: int, s: StrategySpec) -> int:
     """Model-state bytes `s` puts on the device for `module` under `config`'s thresholds."""
     zero = config.zero_optimization
     flats = module_flats(module, s.stage, world_size, int(zero.stage3_param_persistence_threshold),

@@ -51,11 +51,13 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from zerodp import comm
+from zerodp import checkpointing, comm
 from zerodp.memory import CPU, DEVICE
+from zerodp.plan.engines import EngineFactory, build_engine
+from zerodp.plan.model_states import StrategySpec, strategy_config
 
 if TYPE_CHECKING:
-    from zerodp.plan.estimate import Strategy, Workload
+    from zerodp.plan.workload import Workload
 
 TOTAL = "total"  # LiveBytes.peak's key for the device and host memory together
 
@@ -263,15 +265,14 @@ class Simulation:
 
 
 def simulate_training(build: Any, config: dict, batch: Any, world_size: int, rank: int = 0, device: str = "meta",
-                      steps: int = 2, prepare: Any = None) -> Simulation:
+                      steps: int = 2, prepare: Any = None, initialize: EngineFactory | None = None) -> Simulation:
     """Run `steps` optimizer steps of `build()` (an nn.Module factory) under `config` as `rank` of
     `world_size`, simulated on `device` (see simulated_world). `batch(model, device)` -> (args, kwargs)
     of one micro-batch; the model's output is the loss, or has `.loss`. `prepare(model)` runs before initialize (activation checkpointing).
-    Step 2 is the steady state: step 1 also creates the optimizer state."""
+    Step 2 is the steady state: step 1 also creates the optimizer state. `initialize` builds the engine
+    (default: zerodp.initialize; see zerodp/plan/engines.py)."""
     import logging
     import warnings
-
-    import zerodp
 
     before_disabled = logging.root.manager.disable
     logging.disable(logging.WARNING)  # initialize's lines are about a run that does not happen
@@ -282,7 +283,7 @@ def simulate_training(build: Any, config: dict, batch: Any, world_size: int, ran
                 model = build()
             if prepare is not None:
                 prepare(model)
-            engine, *_ = zerodp.initialize(model=model, config=config)
+            engine = build_engine(initialize, model=model, config=config)
             del model
             world.start_training()
             live_at: dict[str, int] = {}
@@ -320,17 +321,15 @@ def train_steps(engine: Any, batch: Any, steps: int, enter: Any = None) -> None:
         engine.step()  # after every micro-batch, as DeepSpeed's loop; it steps at the boundary
 
 
-def simulate_strategy(work: "Workload", strategy: "Strategy", world_size: int, micro_batch: int, seq_len: int,
+def simulate_strategy(work: "Workload", strategy: StrategySpec, world_size: int, micro_batch: int, seq_len: int,
                       activation_checkpointing: str = "none", device: str = "meta", rank: int = 0,
-                      accumulation: int = 1, zero: dict | None = None) -> Simulation:
-    """Simulate `strategy` training `work` (zerodp/plan/estimate.py) at this micro-batch and sequence
+                      accumulation: int = 1, zero: dict | None = None,
+                      initialize: EngineFactory | None = None) -> Simulation:
+    """Simulate `strategy` training `work` (zerodp/plan/workload.py) at this micro-batch and sequence
     length, with activation checkpointing "none", "blocks" (every repeated block) or "selective"
     (blocks, keeping matmul and attention outputs), `accumulation` micro-batches per step (default 1)
     and `zero`'s zero_optimization keys on top (bucket sizes). NVMe offload runs as CPU offload: the
     device runs the same code either way; what differs is in host memory and files, which the ledger gives."""
-    from zerodp import checkpointing
-    from zerodp.plan.estimate import strategy_config
-
     if work.inputs is None:
         raise ValueError(f"MODEL {work.spec!r}: its input is unknown (not a causal LM), so its activations cannot be "
                          "estimated")
@@ -341,4 +340,4 @@ def simulate_strategy(work: "Workload", strategy: "Strategy", world_size: int, m
     config = strategy_config(strategy.device_twin(), micro_batch, accumulation)
     config["zero_optimization"].update(zero or {})
     return simulate_training(work.build, config, lambda m, dev: work.inputs(m, micro_batch, seq_len, dev),
-                             world_size, rank, device, prepare=prepare)
+                             world_size, rank, device, prepare=prepare, initialize=initialize)
