@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from zerodp.config_rules import did_you_mean, hint, show_value
+from zerodp.config.rules import did_you_mean, hint, show_value
 
 DEEPSPEED_ADAM_KEYS = ("adam_w_mode", "torch_adam", "bias_correction")
 """DeepSpeed's own Adam/AdamW keys: checked here, never passed to torch."""
@@ -341,7 +341,7 @@ def optimizer_section_problems(cfg: Any) -> list[str]:
     if cfg.optimizer is None:
         return []
     name = cfg.optimizer.type
-    params = {k: v for k, v in cfg.optimizer.params.items() if k != "max_grad_norm"}  # config_rules says why
+    params = {k: v for k, v in cfg.optimizer.params.items() if k != "max_grad_norm"}  # rules.py says why
     if optimizer_class(name, params) is None:
         return [_unknown_optimizer(name)]
     return optimizer_problems(name, params)
