@@ -8,7 +8,6 @@ import json
 import pickle
 import re
 import sys
-import types
 
 import pytest
 from hypothesis import given, settings
@@ -668,19 +667,18 @@ def test_deepspeed_scheduler_params_checked_against_signature() -> None:
                         "scheduler.params.total_num_steps: missing; WarmupDecayLR requires it"]
 
 
-def test_scheduler_params_use_lr_schedules_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    class FakeCosine:
-        def __init__(self, optimizer: object, total_num_steps: int, cos_min_ratio: float = 0.0) -> None:
-            pass
-
-    fake = types.ModuleType("zerodp.lr_schedules")
-    fake.DEEPSPEED_SCHEDULERS = {"WarmupCosineLR": FakeCosine}  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "zerodp.lr_schedules", fake)
+def test_scheduler_params_come_from_the_config_layer_not_lr_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config is the bottom layer: it checks a DeepSpeed scheduler's params from its own table
+    (zerodp.config.schedulers), never from zerodp.lr_schedules, which sits above it."""
+    monkeypatch.setitem(sys.modules, "zerodp.lr_schedules", None)  # importing it now raises ImportError
     assert one_problem({TRAIN: 1, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "cos_min_ratioo": 0.1}}}) == \
         "scheduler.params.cos_min_ratioo: not a parameter of WarmupCosineLR; did you mean 'cos_min_ratio'?"
-    ok({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}})
+    ok({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 2000}}})
     assert one_problem({TRAIN: 1, "scheduler": {"type": "WarmupCosineLR"}}) == \
         "scheduler.params.total_num_steps: missing; WarmupCosineLR requires it"
+    assert one_problem({TRAIN: 1, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9}}}) == \
+        ("scheduler.params.total_num_steps = 9: expected >= warmup_num_steps (1000). Fix: raise total_num_steps "
+         "to the number of optimizer steps of the run, or lower warmup_num_steps")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Optimizer and scheduler parameters (zerodp.config_hparams), and the limits load_config puts on
+"""Optimizer and scheduler parameters (zerodp.config.hparams), and the limits load_config puts on
 absurd input: every value `zerodp config check` accepts must train, and both entry points say the
 same thing about every value they refuse."""
 
@@ -13,7 +13,7 @@ import pytest
 from tests.harness import run_ranks
 from zerodp.cli import main
 from zerodp.config import ConfigError, load_config
-from zerodp.config_hparams import Spec, spec_from_annotation
+from zerodp.config.hparams import Spec, spec_from_annotation
 
 TRAIN = "train_batch_size"
 

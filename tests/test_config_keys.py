@@ -1,8 +1,8 @@
-"""No config key is accepted and then ignored (zerodp.config_keys).
+"""No config key is accepted and then ignored (zerodp.config.keys).
 
 The engine runs over a matrix of configs with every read of a config field recorded (reads inside
 load_config's own checks do not count); each key the schema accepts must be read there, or be
-listed in config_keys as not implemented (refused unless at DeepSpeed's default) or as having no
+listed in zerodp.config.keys as not implemented (refused unless at DeepSpeed's default) or as having no
 effect in zerodp (warned about) -- and a listed key must behave as listed.
 """
 
@@ -16,8 +16,8 @@ import pytest
 import zerodp.log
 from tests.harness import run_ranks
 from zerodp.config import ConfigError, load_config
-from zerodp.config_keys import NO_EFFECT, NOT_IMPLEMENTED, NOT_IMPLEMENTED_AT_STAGE_3, SWITCHED_SECTIONS
-from zerodp.config_schema import Section, ZeroDPConfig
+from zerodp.config.keys import NO_EFFECT, NOT_IMPLEMENTED, NOT_IMPLEMENTED_AT_STAGE_3, SWITCHED_SECTIONS
+from zerodp.config.schema import Section, ZeroDPConfig
 
 FREE_FORM = {"pipeline", "tensor_parallel", *SWITCHED_SECTIONS}
 """Top-level sections checked as a whole (their switch, or every key against its default)."""
@@ -122,7 +122,7 @@ def test_every_key_is_read_or_refused_or_warned_about(tmp_path) -> None:
     listed = {*NOT_IMPLEMENTED, *NOT_IMPLEMENTED_AT_STAGE_3, *NO_EFFECT}
     free_form = {path for path in paths if path.split(".")[0] in FREE_FORM}
     ignored = sorted(set(paths) - read_paths - listed - free_form)
-    assert ignored == [], f"accepted, never read and not listed in zerodp/config_keys.py: {ignored}"
+    assert ignored == [], f"accepted, never read and not listed in zerodp/config/keys.py: {ignored}"
     assert sorted(read_paths & set(NO_EFFECT)) == [], "listed as having no effect, but the engine reads them"
     assert sorted(read_paths & set(NOT_IMPLEMENTED)) == [], "listed as not implemented, but the engine reads them"
 
@@ -192,6 +192,6 @@ def test_a_key_without_effect_is_warned_about_when_set(path: str, monkeypatch, c
 
 
 def _show(value: Any) -> str:
-    from zerodp.config_rules import show_value
+    from zerodp.config.rules import show_value
 
     return show_value(value)

@@ -7,7 +7,7 @@
   DeepSpeed-style `train.py`. Python blocks run as scripts with this interpreter; bash blocks with
   `bash -e`, the `zerodp` command on PATH.
 - Every `zerodp COMMAND` the docs mention exists, and every repository file they name exists.
-- Every key zerodp/config_keys.py lists appears in docs/config.md.
+- Every key zerodp/config/keys.py lists appears in docs/config.md.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_the_docs_name_only_commands_and_files_that_exist(doc: Path) -> None:
 
 
 def test_config_md_lists_every_key_zerodp_does_not_read() -> None:
-    from zerodp.config_keys import NO_EFFECT, NOT_IMPLEMENTED, NOT_IMPLEMENTED_AT_STAGE_3, SWITCHED_SECTIONS
+    from zerodp.config.keys import NO_EFFECT, NOT_IMPLEMENTED, NOT_IMPLEMENTED_AT_STAGE_3, SWITCHED_SECTIONS
 
     text = (ROOT / "docs" / "config.md").read_text()
     keys = [*NOT_IMPLEMENTED, *NOT_IMPLEMENTED_AT_STAGE_3, *NO_EFFECT,

@@ -352,6 +352,35 @@ def test_deepspeed_signatures_match_deepspeed():
         "decay_mom_rate": 0.0, "last_batch_iteration": -1}
 
 
+
+def test_the_config_layer_table_is_the_classes_signatures():
+    """The config validates scheduler.params from its own table (it cannot import this package):
+    every class's parameters, their order, defaults and required-ness must be that row."""
+    from zerodp.config.schedulers import DEEPSPEED_SCHEDULER_NAMES, DEEPSPEED_SCHEDULER_PARAMS, REQUIRED
+
+    assert sorted(DEEPSPEED_SCHEDULERS) == sorted(DEEPSPEED_SCHEDULER_PARAMS) == sorted(DEEPSPEED_SCHEDULER_NAMES)
+    for name, cls in DEEPSPEED_SCHEDULERS.items():
+        signature = inspect.signature(cls.__init__)
+        params = [(key, REQUIRED if p.default is inspect.Parameter.empty else p.default)
+                  for key, p in signature.parameters.items() if key not in ("self", "optimizer")]
+        assert params == list(DEEPSPEED_SCHEDULER_PARAMS[name].items()), name
+
+
+@pytest.mark.parametrize("cls, params, message",
+                         [case for case in BAD_PARAMS if not any(isinstance(v, list) for v in case[1].values())])
+def test_the_config_refuses_what_the_class_refuses_in_its_words(cls, params, message):
+    """`zerodp config check` and the class at construction give the same problems (per-group lists
+    aside: the config cannot know how many param groups the optimizer will have)."""
+    from zerodp.config import ConfigError, load_config
+
+    with pytest.raises(ValueError) as built:
+        cls(make_optimizer(), **params)
+    config = {"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+              "scheduler": {"type": cls.__name__, "params": params}}
+    with pytest.raises(ConfigError) as loaded:
+        load_config(config, world_size=1)
+    assert loaded.value.problems == built.value.problems
+
 def test_build_scheduler_deepspeed_name():
     optimizer = make_optimizer((0.1,))
     scheduler = build_scheduler("WarmupLR", {"warmup_num_steps": 10, "warmup_type": "linear"}, optimizer)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerodp.config_schema import AioConfig
+from zerodp.config.schema import AioConfig
 from zerodp.offload import (
     ALIGN_BYTES, AsyncFileIO, IOCounters, PARAM_NVME_PATH_KEY, RegionState, SwapIOError, SwapStore,
     aligned_empty, bandwidth_MBps, check_host_memory, check_nvme_path, measure_swap_bandwidth,

@@ -28,7 +28,7 @@ def test_step_time_adds_its_parts_by_hand() -> None:
 
 def test_plan_picks_what_fits_and_writes_a_config_zerodp_accepts(tmp_path, capsys) -> None:
     from zerodp.config import load_config
-    from zerodp.config_keys import NO_EFFECT, value_at
+    from zerodp.config.keys import NO_EFFECT, value_at
     from zerodp.plan.cluster import gpu_cluster
     from zerodp.plan.workload import workload
     from zerodp.plan.planner import plan

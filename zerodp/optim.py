@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from zerodp.config_hparams import optimizer_class, optimizer_kwargs
+from zerodp.config.hparams import optimizer_class, optimizer_kwargs
 from zerodp.log import logger
 from zerodp.zero.base import OptimizerFactory
 
@@ -128,7 +128,7 @@ def _has_stepped(state: dict) -> bool:
 
 def build_optimizer(type_name: str, params: dict, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
     """Build torch's implementation of `type_name` over `groups`, fused where the device allows.
-    `params` were checked by load_config (zerodp.config_hparams)."""
+    `params` were checked by load_config (zerodp.config.hparams)."""
     cls = optimizer_class(type_name, params)
     if cls is None:
         raise ValueError(f"optimizer.type: unknown optimizer '{type_name}'; use Adam, AdamW, SGD, Adagrad or a "

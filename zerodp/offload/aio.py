@@ -335,7 +335,7 @@ class AsyncFileIO:
 
     @classmethod
     def from_aio_config(cls, aio: Any) -> "AsyncFileIO":
-        """An engine configured by an `aio` config section (zerodp.config_schema.AioConfig)."""
+        """An engine configured by an `aio` config section (zerodp.config.schema.AioConfig)."""
         return cls(aio.block_size, aio.queue_depth, aio.intra_op_parallelism)
 
     def submit_write(self, swap_file: SwapFile, file_offset: int, tensor: torch.Tensor, *,

@@ -13,8 +13,11 @@ every optimizer and scheduler argument: `lr: float | Tensor`, `betas: tuple[floa
 `T_max: int`), so any torch.optim or torch.optim.lr_scheduler class a config names is checked, not
 only the common ones. Ranges are torch's own (Adam refuses lr < 0, eps < 0, betas outside [0, 1),
 weight_decay < 0) plus finiteness, which torch does not check. Then the class is built once on a
-1-element CPU tensor, so whatever torch or zerodp's DeepSpeed schedulers refuse themselves
-(nesterov without momentum, warmup_min_lr above warmup_max_lr) is found here too, in their words.
+1-element CPU tensor, so whatever torch refuses itself (nesterov without momentum) is found here
+too, in its words. DeepSpeed's five schedulers are zerodp's own (zerodp.lr_schedules, a layer above
+this one): their parameters and value checks live in zerodp.config.schedulers, which their classes
+call at construction, so a value they refuse (warmup_min_lr above warmup_max_lr) is refused here in
+the same words.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from zerodp.config_rules import did_you_mean, hint, show_value
+from zerodp.config.rules import did_you_mean, hint, show_value
+from zerodp.config.schedulers import (
+    DEEPSPEED_SCHEDULER_NAMES,
+    DEEPSPEED_SCHEDULER_PARAMS,
+    REQUIRED,
+    check_deepspeed_scheduler,
+)
 
 DEEPSPEED_ADAM_KEYS = ("adam_w_mode", "torch_adam", "bias_correction")
 """DeepSpeed's own Adam/AdamW keys: checked here, never passed to torch."""
@@ -284,23 +293,30 @@ def _build_optimizer_once(cls: type, params: dict[str, Any]) -> None:
     cls([torch.zeros(1, requires_grad=True)], **optimizer_kwargs(cls, params))
 
 
-def scheduler_problems(type_name: str, cls: type, params: dict[str, Any], deepspeed: bool,
-                       optimizer_lr: Any = None) -> list[str]:
-    """Every problem with `scheduler.params` for the scheduler class `cls`. zerodp's DeepSpeed
-    schedulers take a number or one per param group where their signature says float, and check
-    their own values (with the messages they raise at construction), so only names are checked
-    from their signature. `optimizer_lr`: the config's optimizer lr, if any (WarmupLR warms up to it)."""
+def scheduler_problems(type_name: str, params: dict[str, Any], optimizer_lr: Any = None) -> list[str]:
+    """Every problem with `scheduler.params` for scheduler `type_name`: one of DeepSpeed's (its
+    parameters from DEEPSPEED_SCHEDULER_PARAMS, its values checked as its class checks them at
+    construction; each takes a number or one per param group where DeepSpeed says float) or a
+    torch.optim.lr_scheduler class (types and ranges from its signature, then built once).
+    `optimizer_lr`: the config's optimizer lr, if any (WarmupLR warms up to it)."""
+    if type_name in DEEPSPEED_SCHEDULER_PARAMS:
+        specs = {name: (Spec("any"), default is REQUIRED)
+                 for name, default in DEEPSPEED_SCHEDULER_PARAMS[type_name].items()}
+        problems = params_problems("scheduler.params", type_name, specs, params)
+        return problems or _refused_by_torch("scheduler.params", type_name,
+                                             lambda: _check_deepspeed_scheduler_once(type_name, params, optimizer_lr))
+    cls = torch_scheduler_classes()[type_name]
     specs = signature_specs(cls, ("self", "optimizer"))
-    if deepspeed:
-        specs = {name: (Spec("any"), required) for name, (_, required) in specs.items()}
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls).parameters.values())
-    owner = type_name if deepspeed else f"torch.optim.lr_scheduler.{type_name}"
+    owner = f"torch.optim.lr_scheduler.{type_name}"
     problems = params_problems("scheduler.params", owner, specs, params, open_ended=open_ended)
     return problems or _refused_by_torch("scheduler.params", owner,
-                                         lambda: _build_scheduler_once(cls, params, optimizer_lr))
+                                         lambda: cls(_probe_optimizer(params, optimizer_lr), **params))
 
 
-def _build_scheduler_once(cls: type, params: dict[str, Any], optimizer_lr: Any) -> None:
+def _probe_optimizer(params: dict[str, Any], optimizer_lr: Any) -> Any:
+    """A 1-element SGD to try a schedule on: one param group per entry of a per-group list in
+    `params`, each at the config's optimizer lr."""
     import torch
 
     lengths = {len(v) for v in params.values() if isinstance(v, list)}  # per-group lists: that many groups
@@ -308,7 +324,12 @@ def _build_scheduler_once(cls: type, params: dict[str, Any], optimizer_lr: Any) 
     # Without the config's lr (an optimizer passed to initialize), one no schedule bound can exceed.
     lr = optimizer_lr if _is_number(optimizer_lr) else 1e9
     groups = [{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(num_groups)]
-    cls(torch.optim.SGD(groups, lr=lr, momentum=0.9), **params)
+    return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+
+
+def _check_deepspeed_scheduler_once(type_name: str, params: dict[str, Any], optimizer_lr: Any) -> None:
+    probe = _probe_optimizer(params, optimizer_lr)
+    check_deepspeed_scheduler(type_name, params, [float(group["lr"]) for group in probe.param_groups])
 
 
 def _refused_by_torch(path: str, owner: str, build: Any) -> list[str]:
@@ -333,7 +354,6 @@ _DEEPSPEED_ONLY_OPTIMIZERS = {
     "onebitlamb": "OneBitLamb", "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD",
     "muon": "Muon",
 }
-DEEPSPEED_SCHEDULER_NAMES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
 def optimizer_section_problems(cfg: Any) -> list[str]:
@@ -341,7 +361,7 @@ def optimizer_section_problems(cfg: Any) -> list[str]:
     if cfg.optimizer is None:
         return []
     name = cfg.optimizer.type
-    params = {k: v for k, v in cfg.optimizer.params.items() if k != "max_grad_norm"}  # config_rules says why
+    params = {k: v for k, v in cfg.optimizer.params.items() if k != "max_grad_norm"}  # rules.py says why
     if optimizer_class(name, params) is None:
         return [_unknown_optimizer(name)]
     return optimizer_problems(name, params)
@@ -374,14 +394,11 @@ def scheduler_section_problems(cfg: Any) -> list[str]:
     """`scheduler.type` and `scheduler.params` of a validated config (nothing without a section)."""
     if cfg.scheduler is None:
         return []
-    from zerodp.lr_schedules import DEEPSPEED_SCHEDULERS
-
     name, torch_classes = cfg.scheduler.type, torch_scheduler_classes()
-    cls = DEEPSPEED_SCHEDULERS.get(name) or torch_classes.get(name)
-    if cls is None:
+    if name not in DEEPSPEED_SCHEDULER_PARAMS and name not in torch_classes:
         names = [*DEEPSPEED_SCHEDULER_NAMES, *sorted(torch_classes)]
         return [f"scheduler.type: {show_value(name)} is neither a DeepSpeed scheduler "
                 f"({', '.join(DEEPSPEED_SCHEDULER_NAMES)}) nor a torch.optim.lr_scheduler class"
                 f"{hint(name, names)} (names are case-sensitive)"]
     lr = cfg.optimizer.params.get("lr") if cfg.optimizer is not None else None
-    return scheduler_problems(name, cls, cfg.scheduler.params, name in DEEPSPEED_SCHEDULERS, lr)
+    return scheduler_problems(name, cfg.scheduler.params, lr)

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from zerodp.config_schema import ZeroDPConfig
+from zerodp.config.schema import ZeroDPConfig
 
 # ---------------------------------------------------------------------------------------------
 # Messages
@@ -152,7 +152,7 @@ _RULES: tuple[tuple[tuple[str, ...], Callable[[ZeroDPConfig], list[str]]], ...] 
 
 def semantic_problems(cfg: ZeroDPConfig, usable: Callable[..., bool] = lambda *paths: True) -> list[str]:
     """Problems no single key shows: cross-field rules and features zerodp does not implement
-    (optimizer and scheduler parameters are `zerodp.config_hparams`'). `usable(*paths)` says whether
+    (optimizer and scheduler parameters are `zerodp.config.hparams`'). `usable(*paths)` says whether
     those keys validated; a rule reading a key that failed is skipped (its default would mislead)."""
     problems: list[str] = []
     for paths, rule in _RULES:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerodp.config_schema import PIPELINE_DEFAULTS, ZeroDPConfig
-from zerodp.config_rules import show_value
+from zerodp.config.schema import PIPELINE_DEFAULTS, ZeroDPConfig
+from zerodp.config.rules import show_value
 from zerodp.log import warn_once
 
 _ZEROPP = ("ZeRO++ quantized communication needs DeepSpeed's CUDA quantization kernels; zerodp "

@@ -210,7 +210,7 @@ class OffloadOptimizerConfig(Section):
     pipeline_write: bool = False
     fast_init: bool = False
     # Fraction offloaded ("Twin-Flow"). DeepSpeed allows 0; zerodp asks for (0, 1]: offloading
-    # nothing is spelled by removing offload_optimizer. < 1 (partial offload) is refused (config_keys).
+    # nothing is spelled by removing offload_optimizer. < 1 (partial offload) is refused (keys.py).
     ratio: float = Field(1.0, gt=0, le=1)
     super_offload: bool = False
     convert_grad_on_cpu: bool = True

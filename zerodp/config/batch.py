@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zerodp.config_rules import show_value
+from zerodp.config.rules import show_value
 
 TRAIN = "train_batch_size"
 MICRO = "train_micro_batch_size_per_gpu"
