@@ -58,12 +58,7 @@ def initialize(
     The config is validated before the process group is used, so a bad config fails on every
     rank with the same message instead of hanging the others.
     """
-    if model is None:
-        raise ValueError("initialize() needs model=")
-    if mpu is not None or mesh_param is not None:
-        raise NotImplementedError("model/sequence parallelism (mpu=, mesh_param=) is not supported: zerodp is data-parallel only")
-    if config is not None and config_params is not None:
-        raise ValueError("pass the config once: config= or config_params=, not both")
+    _check_arguments(model, mpu, mesh_param, config, config_params)
     cfg = load_config(config if config is not None else config_params, args=args, world_size=_known_world_size())
     policy = DtypePolicy.from_config(cfg)
     strategy_cls = strategy_class(cfg)
@@ -74,14 +69,11 @@ def initialize(
         raise ValueError("dist_init_required=False but torch.distributed is not initialised")
     comm.init_distributed()
     device = comm.device_for_backend()
-    optimizer_device = Home.for_section(device, cfg.zero_optimization.offload_optimizer).device  # the host if offloaded
-    make_optimizer = (lambda _: NoOptimizer(forward_only)) if forward_only else \
-        optimizer_factory(optimizer, cfg.optimizer, optimizer_device)
     _check_ranks_agree(model, cfg, device)
     nodes = node_layout()  # the comm ledger counts intra- and inter-node bytes apart
     comm.set_node_layout([nodes.node_of(r) for r in range(comm.get_world_size())])
     strategy = strategy_cls(cfg, policy, device)
-    strategy.wrap(model, groups, make_optimizer)
+    strategy.wrap(model, groups, _optimizer_maker(optimizer, cfg, device, forward_only))
     _warn_if_slow_offloaded_optimizer(strategy)
     if forward_only and (lr_scheduler is not None or cfg.scheduler is not None):
         warn_once(f"the engine runs forward only ({forward_only}): its lr scheduler is not built")
@@ -93,6 +85,23 @@ def initialize(
     comm.ledger.end_init()
     _announce(cfg, forward_only)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _check_arguments(model: nn.Module | None, mpu: Any, mesh_param: Any, config: Any, config_params: Any) -> None:
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError("model/sequence parallelism (mpu=, mesh_param=) is not supported: zerodp is data-parallel only")
+    if config is not None and config_params is not None:
+        raise ValueError("pass the config once: config= or config_params=, not both")
+
+
+def _optimizer_maker(optimizer: Any, cfg: ZeroDPConfig, device: torch.device, forward_only: str | None) -> Any:
+    """What the strategy builds its optimizer with, on the host when the optimizer is offloaded."""
+    if forward_only:
+        return lambda _: NoOptimizer(forward_only)
+    optimizer_device = Home.for_section(device, cfg.zero_optimization.offload_optimizer).device
+    return optimizer_factory(optimizer, cfg.optimizer, optimizer_device)
 
 
 def _preflight(model: nn.Module, cfg: ZeroDPConfig, groups: list[dict], forward_only: str | None) -> None:
