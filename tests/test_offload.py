@@ -129,7 +129,7 @@ def test_nvme_optimizer_offload_is_bitwise_cpu_offload_and_leaves_nothing_behind
 @pytest.mark.parametrize("prefetch,gas", [(50_000_000, 2), (0, 1)], ids=["gather-prefetch", "read-ahead-only"])
 def test_nvme_parameter_offload_is_bitwise_and_puts_the_shards_beyond_max_in_cpu_in_files(tmp_path, prefetch, gas) -> None:
     """With no gather prefetch, the shards of the next offload_param.buffer_count units are read
-    ahead of their gathers (stage3.py's _read_ahead; gas=1 runs the same units every pass, so the
+    ahead of their gathers (stage3_hooks.py's _read_ahead; gas=1 runs the same units every pass, so the
     recorded order holds); both paths give the same numbers."""
     zero = {"stage3_prefetch_bucket_size": prefetch}
     for same_losses, same_params, cpu, nvme, _ in run_ranks(_nvme_pair, 2, args=({"bf16": {"enabled": True}},

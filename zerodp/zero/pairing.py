@@ -1,7 +1,8 @@
 """Stage-3 ranks pairing up their gathers: checks that every rank gathers the same unit, in the same
 kind of pass, in the same order, raised on every rank before their collectives pair wrongly.
 
-See [Note: prefetch and the recorded order] in zero/stage3.py for when each check runs.
+See [Note: prefetch and the recorded order] in zero/stage3_hooks.py for when each check runs; the
+kind of pass each check compares is the strategy's PassKind ([Note: the pass state] there).
 
 [Note: paired passes]
 A training forward on one rank and a forward without grad on another (a rank that generates while
@@ -26,24 +27,15 @@ from zerodp.zero.trace import UnitTrace
 from zerodp.zero.units import Unit
 
 PASS_KINDS = ("a forward without grad (generation, evaluation)", "a training forward (grad enabled)", "a backward")
+"""What ranks compare before a gather; stage 3 maps its PassKind onto these (a recomputation is a backward)."""
 
 
-def in_backward() -> bool:
-    """True while autograd's engine runs a backward on this thread (recomputation in checkpointing)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def pass_kind() -> int:
-    """Which kind of pass a gather now belongs to (an index of PASS_KINDS)."""
-    return 2 if in_backward() else int(torch.is_grad_enabled())
-
-
-def check_same_unit(units: list[Unit], unit: Unit) -> None:
-    """Every rank is about to gather the same unit in the same kind of pass, else raise naming them
-    (one 16-byte all-gather)."""
+def check_same_unit(units: list[Unit], unit: Unit, kind: int) -> None:
+    """Every rank is about to gather the same unit in the same kind of pass (`kind`, an index of
+    PASS_KINDS, from the strategy's pass state), else raise naming them (one 16-byte all-gather)."""
     if comm.get_world_size() == 1 or comm.simulated():
         return
-    row = torch.tensor([unit.index, pass_kind()], dtype=torch.int64, device=comm.device_for_backend())
+    row = torch.tensor([unit.index, kind], dtype=torch.int64, device=comm.device_for_backend())
     rows = comm.all_gather_rows(row).tolist()
     if len({i for i, _ in rows}) > 1:
         names = ", ".join(f"rank {r}: {units[i].name}" for r, (i, _) in enumerate(rows))
@@ -53,12 +45,13 @@ def check_same_unit(units: list[Unit], unit: Unit) -> None:
     _raise_if_passes_differ([kind for _, kind in rows])
 
 
-def check_same_kind_of_forward() -> None:
-    """Without the per-gather check (NCCL): one 16-byte all-reduce at each forward of the root."""
+def check_same_kind_of_forward(kind: int) -> None:
+    """Without the per-gather check (NCCL): one 16-byte all-reduce at each forward of the root
+    (`kind`: this forward's index in PASS_KINDS)."""
     if comm.get_world_size() == 1 or comm.simulated():
         return
     counts = torch.zeros(len(PASS_KINDS), dtype=torch.int64, device=comm.device_for_backend())
-    counts[pass_kind()] = 1
+    counts[kind] = 1
     comm.all_reduce(counts)
     if (counts > 0).sum().item() > 1:
         _raise_if_passes_differ([k for k, n in enumerate(counts.tolist()) for _ in range(n)], by_rank=False)

@@ -19,9 +19,20 @@ is what the optimizer updates. When `data_types.grad_accum_dtype` differs from t
 (bf16 params, fp32 accumulation), autograd's 16-bit gradient is added into the fp32 buffer by the
 hook and then dropped; otherwise `.grad` is the buffer view. At the step the reduced gradients are
 cast once into a transient fp32 buffer for the masters (or used directly when already fp32).
+
+[Note: stage-0 reduction state]
+One step's gradient reduction moves through `ReductionState`:
+  ACCUMULATING --before_backward(boundary)--> LAUNCHING --after_backward(boundary)--> REDUCED
+  --zero_grad--> ACCUMULATING. Off the boundary a backward only folds gradients (ACCUMULATING stays,
+  REDUCED stays: a later non-boundary backward does not undo a finished reduction). A step without
+  a boundary backward (`no_sync`, a forced boundary) goes ACCUMULATING -> LAUNCHING -> REDUCED in
+  `finish_reduction`. A boundary backward may start over LAUNCHING or REDUCED (one unwound by an
+  exception, or a second backward before the step). Any other move raises AssertionError.
 """
 
 from __future__ import annotations
+
+from enum import Enum
 
 import torch
 from torch import nn
@@ -33,6 +44,22 @@ from zerodp.zero.base import OptimizerFactory, Piece, Strategy, elementwise_stat
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.layout import assign_buckets, flat_offsets
+
+
+class ReductionState(Enum):
+    """Where this optimizer step's gradient all-reduce is (see [Note: stage-0 reduction state])."""
+
+    ACCUMULATING = "accumulating"  # gradients fold into the flat buffer; no bucket is launched
+    LAUNCHING = "launching"  # the boundary backward: each bucket is all-reduced as soon as it is full
+    REDUCED = "reduced"  # every bucket is all-reduced and waited for: the step may read the gradients
+
+
+_NEXT_REDUCTION = {
+    ReductionState.ACCUMULATING: {ReductionState.ACCUMULATING, ReductionState.LAUNCHING},
+    ReductionState.LAUNCHING: {ReductionState.ACCUMULATING, ReductionState.LAUNCHING, ReductionState.REDUCED},
+    ReductionState.REDUCED: {ReductionState.REDUCED, ReductionState.LAUNCHING},
+}
+"""Legal moves of ReductionState other than zero_grad's reset to ACCUMULATING (always legal)."""
 
 
 class Stage0(Strategy):
@@ -48,8 +75,7 @@ class Stage0(Strategy):
         self._layout(_initial_order(self.params, self.bucket_numel))
         self.ready_order: list[nn.Parameter] = []  # gradient-ready order of the first boundary backward
         self.layout_final = False  # relaid in rank 0's ready order after the first step
-        self.reduced = False  # this optimizer step's gradients are all-reduced
-        self.boundary = False
+        self.reduction = ReductionState.ACCUMULATING  # this optimizer step's all-reduce
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.masters = [p.detach().float().clone() for p in self.params] if self.policy.needs_master_copy else None
@@ -84,16 +110,25 @@ class Stage0(Strategy):
 
     # --- backward ---------------------------------------------------------------------------
 
+    def _move(self, state: ReductionState) -> None:
+        """Change the reduction state; an illegal move is a broken invariant."""
+        if state not in _NEXT_REDUCTION[self.reduction]:
+            raise AssertionError(f"rank {comm.get_rank()}: stage 0's reduction cannot go from "
+                                 f"{self.reduction.name} to {state.name}")
+        self.reduction = state
+
     def before_backward(self, boundary: bool) -> None:
-        self.boundary = boundary
         if boundary:
+            self._move(ReductionState.LAUNCHING)
             self.sequence.reset()
+        elif self.reduction is ReductionState.LAUNCHING:  # a boundary backward an exception unwound
+            self._move(ReductionState.ACCUMULATING)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook: fold the gradient into the flat buffer, launch ready buckets."""
         self.entering_backward_hook()
         self.grads.fold(p)
-        if not self.boundary:
+        if self.reduction is not ReductionState.LAUNCHING:
             return
         if not self.layout_final:
             self.ready_order.append(p)
@@ -114,11 +149,12 @@ class Stage0(Strategy):
         for work in self.works:
             work.wait()
         self.works = []
-        self.reduced = True
+        self._move(ReductionState.REDUCED)
 
     def finish_reduction(self) -> None:
         """All-reduce every bucket now if no boundary backward did (no_sync, forced boundary)."""
-        if not self.reduced:
+        if self.reduction is not ReductionState.REDUCED:
+            self._move(ReductionState.LAUNCHING)
             self.sequence.reset()
             self.after_backward(True)
 
@@ -164,9 +200,9 @@ class Stage0(Strategy):
 
     def zero_grad(self) -> None:
         """Zero the flat gradient buffer; after the first reduced step, relay it out once."""
-        if self.reduced and not self.layout_final:  # every rank reaches this at the same step
+        if self.reduction is ReductionState.REDUCED and not self.layout_final:  # the same step on every rank
             self._rebuild_in_ready_order()
-        self.reduced = False
+        self.reduction = ReductionState.ACCUMULATING  # always legal: the next step starts over
         self.grads.zero()
 
     # --- checkpoints ------------------------------------------------------------------------------

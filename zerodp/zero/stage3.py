@@ -6,81 +6,42 @@ released after it, gathered again for its backward, and its gradients are reduce
 the owned gradient shard as soon as they are final. Communication per step is 3Ψ: all-gather in
 forward, all-gather in backward, reduce-scatter (design.md §4).
 
-[Note: stage-3 hooks]
-- forward pre-hook: gather the unit (or wait for its prefetch), prefetch the next units of the
-  recorded order, and route the inputs that need grad through `_PostBackward`;
-- forward hook: register a pre-backward hook on the outputs that need grad (it gathers the unit
-  again when backward reaches them), then release the unit; the root unit stays gathered until
-  the end of backward (FSDP2's root);
-- post-accumulate-grad hook per trainable parameter: when all of a unit's gradients are final,
-  its reduce-scatter is launched, in a fixed unit order on every rank (zero/buckets.py);
-- forward hooks that run during backward (activation checkpointing's recomputation) only make
-  sure the unit is gathered: no release, no trace, no new backward hooks;
-- a submodule of a unit called on its own while the unit is released (`model.embed(ids)` outside
-  the model's forward) gathers the unit around that call.
-
-[Note: when a unit is released in backward]
-Once backward has computed the gradients of every input of every call of the unit
-(`calls_pending` = 0) and every trainable parameter's gradient is final (`grads_pending` = 0),
-nothing in backward reads its parameters any more. A unit whose inputs need no grad (the first
-block of a LoRA model) or with a parameter unused in this backward stays gathered until the end
-of backward, when every unit is released.
-
-[Note: prefetch and the recorded order]
-The first forward and backward record the order units run in (`_Trace`). Later passes follow
-that order and, after gathering unit i, start the all-gathers of the next units while the
-compute runs: at most `stage3_prefetch_bucket_size` elements ahead and never more than
-`stage3_max_live_parameters` gathered at once. A pass that runs units in another order (a branch
-taken on some steps only) stops prefetching at the first difference and its order is recorded
-for the next pass, so a prefetch never waits for a unit that does not come. Every rank makes the
-same decisions because they run the same units. Ranks that run different modules must not pair up
-the wrong gathers: on gloo (where it is cheap) and with `zero_optimization.enable_sanity_checks`
-every gather is preceded by a 16-byte all-gather of the unit's index and the kind of pass, and
-ranks about to gather different units raise naming them. On NCCL without sanity checks that would
-cost a host sync per gather, so a hash of the order is compared at the end of every backward
-instead: it catches divergences whose collectives still pair up one to one (same-size units in
-another order); one that changes the sequence of collectives waits in a collective until the timeout.
-The checks are in zero/pairing.py.
+The hooks that gather and release units, prefetch and read ahead, and the pass state they run in
+(PassKind) are in zero/stage3_hooks.py ([Note: stage-3 hooks], [Note: the pass state] there); the
+NVMe parameter tier is offload/param_swap.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 from functools import partial
-from typing import Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.hooks import RemovableHandle
 
 from zerodp import comm
 from zerodp.log import logger, warn_once
 from zerodp.memory import DEVICE, NVME, Category, MemoryLedger
 from zerodp.offload.cpu import Home
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY
+from zerodp.offload.param_swap import ParamSwapper
 from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_optimizer_state, swap_store
 from zerodp.precision import first_nonfinite
 from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, step_grad,
                              stepping_in, sum_over_ranks_grad_stats)
 from zerodp.zero import pairing
-from zerodp.zero.pairing import in_backward
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import trainable_in_registration_order
 from zerodp.zero.init import gather_init_param, is_partitioned, release_init_shard
 from zerodp.zero.stage12 import MAX_BUCKETS_IN_FLIGHT, check_elementwise
-
-FULL_WEIGHTS_HINT = ('Set "zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to gather full '
-                     "weights on rank 0 (which needs host memory for the whole model; every rank must call), or use "
-                     "engine.save_checkpoint() and `zerodp ckpt convert` for a consolidated copy")
+from zerodp.zero.stage3_hooks import PassKind, Stage3Hooks
 from zerodp.zero.topology import stage3_partition
 from zerodp.zero.trace import UnitTrace
 from zerodp.zero.units import FlatShard, Unit, UnitState, mark_leaf_modules_from_config, plan_units
 
-
-SHARD_WRITES_IN_FLIGHT = 2
-"""NVMe parameter offload: updated shards being written back during the step at once."""
+FULL_WEIGHTS_HINT = ('Set "zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to gather full '
+                     "weights on rank 0 (which needs host memory for the whole model; every rank must call), or use "
+                     "engine.save_checkpoint() and `zerodp ckpt convert` for a consolidated copy")
 
 
 _RELEASED_SHAPE = re.compile(r"(?<![\d.])0x\d|\dx0(?![\d.])|\[0\]|\[0, |\(0\)|torch\.Size\(\[0|"
@@ -89,7 +50,7 @@ _RELEASED_SHAPE = re.compile(r"(?<![\d.])0x\d|\dx0(?![\d.])|\[0\]|\[0, |\(0\)|to
 cannot be multiplied (4x16 and 0x16)", "size of tensor b (0)", "torch.Size([0])", "shape [0]"."""
 
 
-class Stage3(Strategy):
+class Stage3(Stage3Hooks, Strategy):
     """ZeRO stage 3: parameters, gradients and optimizer states partitioned."""
 
     reduces_every_micro_batch = True
@@ -110,7 +71,9 @@ class Stage3(Strategy):
         self._replicas_at_boundary = self.partition.num_replicas > 1 and self.home.device == self.device
         self.optim_store = swap_store(zero.offload_optimizer, OPTIMIZER_NVME_PATH_KEY, self.config.aio)
         self.param_store = swap_store(zero.offload_param, PARAM_NVME_PATH_KEY, self.config.aio)
-        self._param_numel_in_cpu = 0  # offload_param nvme: shard elements kept in host memory so far
+        section = zero.offload_param  # offload_param nvme: the parameter shards' tier (offload/param_swap.py)
+        self.param_swapper = None if self.param_store is None else ParamSwapper(
+            self.param_store, int(section.max_in_cpu), int(section.buffer_count), int(section.buffer_size))
         self._build_units(module, param_groups)
         self._place_buffers(module)
         module._is_fsdp_managed_module = True  # transformers' generate() then syncs ranks: [Note: paired passes] in zero/pairing.py
@@ -118,13 +81,9 @@ class Stage3(Strategy):
         check_elementwise(self.optimizer, self.config)
         self.swapper = self._swapper(zero.offload_optimizer)
         self._install_hooks()
-        self._kept: list[Unit] | None = None  # units held by engine.generation(), while in one
-        self._kept_budget = 0
         self.trace = UnitTrace()
         self._stats: torch.Tensor | None = None
         self.in_flight: list[tuple[Unit, torch.Tensor, torch.Tensor, object]] = []
-        self._all_held = False  # this forward pass runs with every unit held gathered (see _pre_forward)
-        self._shard_writes: list = []  # NVMe parameter offload: shard write-backs of the step in flight
 
     # --- set-up ------------------------------------------------------------------------------------
 
@@ -208,16 +167,11 @@ class Stage3(Strategy):
 
     def _swap_out(self, unit: Unit) -> None:
         """NVMe offload: write the unit's parameter shards (beyond offload_param.max_in_cpu elements)
-        and its fp32 master to the swap files and free them (see offload/swap.py)."""
-        if self.param_store is not None and not unit.keeps_full:
+        and its fp32 master to the swap files and free them (offload/param_swap.py, offload/swap.py)."""
+        if self.param_swapper is not None and not unit.keeps_full:
             for f in unit.flats:
-                if self._param_numel_in_cpu + f.shard.numel() <= self.config.zero_optimization.offload_param.max_in_cpu:
-                    self._param_numel_in_cpu += f.shard.numel()
-                    continue
-                f.slot = SwapSlot(self.param_store, f"{unit.name}/{'trainable' if f is unit.trainable else 'frozen'}",
-                                  f.shard)
-                f.slot.write().wait()
-                f.slot.evict()
+                f.slot = self.param_swapper.place(f"{unit.name}/{'trainable' if f is unit.trainable else 'frozen'}",
+                                                  f.shard)
         if self.optim_store is not None and unit.master is not None:
             unit.master_slot = SwapSlot(self.optim_store, f"{unit.name}/master", unit.master, unit.piece_views)
             unit.master_slot.write().wait()
@@ -235,9 +189,8 @@ class Stage3(Strategy):
         return swapper
 
     def _install_hooks(self) -> None:
-        self.forward_hooks: list[RemovableHandle] = []  # the units' module hooks (install_forward_hooks)
-        self.install_forward_hooks()
-        self._gathered_alone: list[bool] = []
+        """The module hooks (zero/stage3_hooks.py), the gradient hooks and the state-dict hook."""
+        self._init_pass_hooks()
         trainable = [u for u in self.units if u.trainable is not None]
         # the fixed reduce-scatter order: later blocks first (backward order), root and persistent last
         self.reduce_order = sorted(trainable, key=lambda u: (u.persistent, u is self.root, -u.index))
@@ -247,165 +200,17 @@ class Stage3(Strategy):
         for unit in trainable:
             for p in unit.trainable.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._force_gather, self._keep = False, None
         self.module._register_state_dict_hook(self._state_dict_hook)
-
-    def install_forward_hooks(self) -> None:
-        """(Re)register the module hooks that gather a unit before its forward and release it after.
-        Code that holds every unit (GatheredParameters over all parameters) may remove them meanwhile
-        (`remove_forward_hooks`; TRL does this around generation) and must install them again after."""
-        self.remove_forward_hooks()
-        for unit in self.units:
-            if unit.keeps_full:
-                continue
-            self.forward_hooks += [
-                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True),
-                unit.module.register_forward_hook(partial(self._post_forward, unit))]
-            members = {p for f in unit.flats for p in f.params}
-            for m in unit.module.modules():  # submodules called on their own: see [Note: stage-3 hooks]
-                if m is not unit.module and any(p in members for p in m.parameters(recurse=False)):
-                    self.forward_hooks += [m.register_forward_pre_hook(partial(self._pre_forward_alone, unit)),
-                                           m.register_forward_hook(partial(self._post_forward_alone, unit))]
-
-    def remove_forward_hooks(self) -> None:
-        """Remove the hooks install_forward_hooks registered (the units must stay held meanwhile)."""
-        for handle in self.forward_hooks:
-            handle.remove()
-        self.forward_hooks = []
-
-    # --- forward ---------------------------------------------------------------------------------------
-
-    def _pre_forward(self, unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
-        if in_backward():  # recomputation of a checkpointed block: see [Note: stage-3 hooks]
-            self._gather(unit)
-            return None
-        if unit is self.root:  # a no-grad pass with every unit held by GatheredParameters (generate()):
-            self._all_held = not torch.is_grad_enabled() and all(u.holds or u.keeps_full for u in self.units)
-        if self._all_held:  # nothing to gather, prefetch, release or trace
-            return None
-        if unit is self.root:
-            if not self.sanity_checks:  # else the per-gather check compares the passes
-                pairing.check_same_kind_of_forward()
-            self.trace.begin("forward")
-        following = self.trace.visit("forward", unit.index)
-        self._gather(unit)
-        if following:
-            self._prefetch("forward")
-        if torch.is_grad_enabled():
-            return self._route_through_post_backward(unit, args, kwargs)
-        return None
-
-    def _route_through_post_backward(self, unit: Unit, args: tuple, kwargs: dict):
-        leaves, spec = tree_flatten((args, kwargs))
-        needing = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not needing:
-            return None
-        unit.calls_pending += 1
-        outs = _PostBackward.apply(partial(self._post_backward, unit), *[leaves[i] for i in needing])
-        for i, out in zip(needing, outs if isinstance(outs, tuple) else (outs,)):
-            leaves[i] = out
-        return tree_unflatten(leaves, spec)
-
-    def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output):
-        if self._all_held:
-            if unit is self.root:  # the pass is over
-                self._all_held = False
-            return None
-        if in_backward():
-            return None
-        if self._kept is not None and not torch.is_grad_enabled():
-            self._keep_for_generation(unit)
-        if torch.is_grad_enabled():
-            needing = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if needing:
-                torch.autograd.graph.register_multi_grad_hook(needing, partial(self._pre_backward, unit), mode="any")
-        if unit is not self.root:
-            unit.release()
-            return None
-        self.trace.end("forward")
-        for other in self.units:  # prefetches that the pass did not use
-            if other is not self.root:
-                other.release()
-        if not torch.is_grad_enabled():
-            self.root.release()
-        return None
-
-    @contextlib.contextmanager
-    def generation(self, max_live_numel: int) -> Iterator[None]:
-        """Inside the block, a unit gathered by a forward without grad stays gathered (held, as by
-        GatheredParameters) while the kept units total at most `max_live_numel` elements; the others
-        gather per forward as usual. Every kept unit is released at exit."""
-        if self._kept is not None:
-            raise RuntimeError("engine.generation() blocks do not nest")
-        self._kept, self._kept_budget = [], max_live_numel
-        try:
-            yield
-        finally:
-            kept, self._kept = self._kept, None
-            for unit in kept:
-                unit.holds -= 1
-                unit.release()
-
-    def _keep_for_generation(self, unit: Unit) -> None:
-        """Hold `unit` for the rest of the generation block if the budget allows (the same decision on
-        every rank: they run the same units in the same order)."""
-        if unit.keeps_full or unit.holds or sum(u.numel for u in self._kept) + unit.numel > self._kept_budget:
-            return
-        unit.holds += 1
-        self._kept.append(unit)
-
-    def _pre_forward_alone(self, unit: Unit, module: nn.Module, args: tuple) -> None:
-        """A submodule of a released unit called outside the unit's forward: gather around it."""
-        if unit.holds and not torch.is_grad_enabled():  # gathered by GatheredParameters: nothing to do
-            return
-        gather = unit.state is UnitState.SHARDED
-        if not in_backward():
-            self._gathered_alone.append(gather)
-        if gather:
-            self._gather(unit)
-
-    def _post_forward_alone(self, unit: Unit, module: nn.Module, args: tuple, output) -> None:
-        if unit.holds and not torch.is_grad_enabled():
-            return
-        if in_backward() or not self._gathered_alone.pop():
-            return
-        if torch.is_grad_enabled():
-            needing = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if needing:
-                torch.autograd.graph.register_multi_grad_hook(needing, partial(self._pre_backward, unit), mode="any")
-        unit.release()
 
     # --- backward --------------------------------------------------------------------------------------
 
     def before_backward(self, boundary: bool) -> None:
+        self.passes.begin(PassKind.BACKWARD)
         self._stats = None
         self.trace.begin("backward")
         self.sequence.reset()
         for unit in self.units:
             unit.grads_pending = len(unit.trainable.params) if unit.trainable is not None else 0
-
-    def _pre_backward(self, unit: Unit, grad) -> None:
-        self.entering_backward_hook()
-        following = self.trace.visit("backward", unit.index)
-        self._gather(unit)
-        if following:
-            self._prefetch("backward")
-
-    def _post_backward(self, unit: Unit) -> None:
-        unit.calls_pending -= 1
-        self._release_if_done(unit)
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        self.entering_backward_hook()
-        unit = self.unit_of[p]
-        unit.grads_pending -= 1
-        self.sequence.grad_ready(self.reduce_slot[unit], self.names.get(p, "?"))
-        self._release_if_done(unit)
-
-    def _release_if_done(self, unit: Unit) -> None:
-        """See [Note: when a unit is released in backward]."""
-        if unit.calls_pending == 0 and unit.grads_pending == 0:
-            unit.release()
 
     def _launch_reduce(self, unit: Unit) -> None:
         """Pack the unit's gradients (freeing them) and reduce-scatter them to their owners."""
@@ -447,60 +252,12 @@ class Stage3(Strategy):
             for unit in self._trainable():  # MiCS: the step's summed shard, once, across the replicas
                 comm.all_reduce(unit.owned_grad, group=self.partition.replica_group)
         self.trace.end("backward")
+        self.passes.end(PassKind.BACKWARD)
         if not self.sanity_checks:  # else the per-gather checks have run
             pairing.check_same_order(self.trace, self.units)
 
     def finish_reduction(self) -> None:
         """Nothing to do: every backward has already reduced its gradients."""
-
-    # --- gathering -------------------------------------------------------------------------------------
-
-    def _gather(self, unit: Unit) -> None:
-        if unit.state is UnitState.SHARDED and self.sanity_checks:
-            pairing.check_same_unit(self.units, unit)
-        unit.gather()
-        self._note_live()
-
-    def _prefetch(self, phase: str) -> None:
-        """Start the all-gathers of the next units in the recorded order, within the budgets."""
-        live = sum(u.numel for u in self.units if u.state is not UnitState.SHARDED and not u.keeps_full)
-        ahead = 0
-        for index in self.trace.upcoming(phase):
-            unit = self.units[index]
-            if unit.state is not UnitState.SHARDED:
-                continue
-            if ahead + unit.numel > self.prefetch_numel or live + unit.numel > self.max_live_numel:
-                break
-            if self.sanity_checks:
-                pairing.check_same_unit(self.units, unit)
-            unit.start_gather()
-            ahead += unit.numel
-            live += unit.numel
-        self._note_live()
-        if self.param_store is not None:
-            self._read_ahead(phase)
-
-    def _read_ahead(self, phase: str) -> None:
-        """NVMe parameter offload: read the swapped shards of the next units before their gathers,
-        at most offload_param.buffer_count units and buffer_count x buffer_size elements at once
-        (DeepSpeed's parameter buffer pool), so the disk works while several units compute."""
-        section = self.config.zero_optimization.offload_param
-        count_left = int(section.buffer_count) - sum(u.reading_ahead for u in self.units)
-        numel_left = int(section.buffer_count) * int(section.buffer_size) - sum(
-            u.swapped_numel for u in self.units if u.reading_ahead)
-        for index in self.trace.upcoming(phase):
-            unit = self.units[index]
-            if unit.state is not UnitState.SHARDED or unit.reading_ahead or not unit.swapped_numel:
-                continue
-            if count_left < 1 or unit.swapped_numel > numel_left:
-                break
-            unit.read_ahead()
-            count_left -= 1
-            numel_left -= unit.swapped_numel
-
-    def _note_live(self) -> None:
-        live = sum(u.held_full_bytes() for u in self.units)
-        self.transient_peak["gathered_params"] = max(self.transient_peak.get("gathered_params", 0), live)
 
     # --- the step --------------------------------------------------------------------------------------
 
@@ -558,24 +315,20 @@ class Stage3(Strategy):
     def _publish(self, units: list[Unit]) -> None:
         """Masters -> working shards; units that stay gathered all-gather the new values. With
         NVMe parameter offload a shard is written back in the background while the step goes on
-        (at most SHARD_WRITES_IN_FLIGHT resident); `_finish_shard_writes` waits for the rest."""
+        (offload/param_swap.py); `_finish_shard_writes` waits for the rest."""
         for unit in units:
             f = unit.trainable
             unit.invalidate_secondary()
             if f.slot is not None:
-                f.slot.allocate_storage()
-                Home.publish(f.shard, unit.master)
-                self._shard_writes.append(f.slot.write_then_evict())
-                while len(self._shard_writes) > SHARD_WRITES_IN_FLIGHT:
-                    self._shard_writes.pop(0).wait()
+                self.param_swapper.write_back(f.slot, partial(Home.publish, f.shard, unit.master))
             else:
                 Home.publish(f.shard, unit.master)
             if unit.keeps_full and unit.num_ranks > 1:
                 comm.all_gather_into_tensor(f.full, f.shard, group=unit.group)
 
     def _finish_shard_writes(self) -> None:
-        while self._shard_writes:
-            self._shard_writes.pop(0).wait()
+        if self.param_swapper is not None:
+            self.param_swapper.finish_writes()
 
     def zero_grad(self) -> None:
         self._stats = None
@@ -650,10 +403,12 @@ class Stage3(Strategy):
         and {} elsewhere (every rank must call it); without it, DeepSpeed's answer: each parameter as
         this rank holds it (empty while its unit is released), with no communication, so a script may
         call it on one rank (DeepSpeed-Chat does before gathering the weights itself)."""
-        if self._keep is not None:
-            for k in [k for k in state_dict if not self._keep(k[len(prefix):])]:
+        gathering = self.passes.kind is PassKind.STATE_DICT  # gathered_state_dict(): gather and filter
+        keep = self.passes.key_filter if gathering else None
+        if keep is not None:
+            for k in [k for k in state_dict if not keep(k[len(prefix):])]:
                 del state_dict[k]
-        if not (self._force_gather or self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save):
+        if not (gathering or self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save):
             warn_once(f"state_dict() of a ZeRO stage-3 model returns the parameters as this rank holds them (empty "
                       f"tensors while partitioned), as DeepSpeed does. {FULL_WEIGHTS_HINT}")
             return
@@ -681,11 +436,13 @@ class Stage3(Strategy):
                                f"parameters. {FULL_WEIGHTS_HINT}")
 
     def gathered_state_dict(self, keep=None) -> dict:
-        self._force_gather, self._keep = True, keep
+        self.passes.begin(PassKind.STATE_DICT)
+        self.passes.key_filter = keep
         try:
             return self.module.state_dict()
         finally:
-            self._force_gather, self._keep = False, None
+            self.passes.key_filter = None
+            self.passes.end(PassKind.STATE_DICT)
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -744,17 +501,3 @@ def _group_pieces(f: FlatShard, group_of: dict) -> list[tuple[int, int, int]]:
             b = bounds.setdefault(group_of[p], [lo, hi])
             b[0], b[1] = min(b[0], lo), max(b[1], hi)
     return [(g, lo - start, hi - start) for g, (lo, hi) in bounds.items()]
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once the unit's backward reached all of them."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)

@@ -1,6 +1,6 @@
 """The order stage-3 units run in, per pass: recorded, followed for prefetch, compared across ranks.
 
-See stage3.py's [Note: prefetch and the recorded order].
+See stage3_hooks.py's [Note: prefetch and the recorded order].
 """
 
 from __future__ import annotations

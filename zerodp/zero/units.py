@@ -42,6 +42,7 @@ from torch import nn
 from zerodp import comm, timers
 from zerodp.checkpointing import repeated_blocks
 from zerodp.memory import nbytes
+from zerodp.offload.param_swap import resident
 from zerodp.zero.layout import GroupLayout, group_layout
 from zerodp.zero.topology import Partition
 
@@ -114,25 +115,12 @@ class FlatShard:
         self.shard = self.full[self.owned] if keep_full else torch.empty(
             stop - start, dtype=dtype, device=shard_device or device, pin_memory=(shard_device or device) != device
             and torch.cuda.is_available())
-        self.slot = None  # offload_param nvme: a SwapSlot holding the shard's bytes (offload/swap.py)
+        self.slot = None  # offload_param nvme: a SwapSlot holding the shard's bytes (offload/param_swap.py)
 
-    @contextlib.contextmanager
     def shard_resident(self, modify: bool = False, overwrite: bool = False):
         """The owned shard in memory inside the block (NVMe param offload swaps it in; `overwrite`
         skips the read when every element will be written); written back on exit if `modify`."""
-        if self.slot is None:
-            yield
-            return
-        if overwrite:
-            self.slot.allocate_storage()
-        else:
-            self.slot.read().wait()
-        try:
-            yield
-        finally:
-            if modify:
-                self.slot.write().wait()
-            self.slot.evict()
+        return resident(self.slot, modify=modify, overwrite=overwrite)
 
     @property
     def full_bytes(self) -> int:
@@ -186,7 +174,7 @@ class Unit:
         self.master_resident = contextlib.nullcontext  # NVMe offload: brings the master into memory
         self.pieces: list[tuple[int, int, int]] = []  # (optimizer group, start, stop) in the owned shard
         self.piece_views: list[torch.Tensor] = []  # master[start:stop] of each: the optimizer's params
-        # backward bookkeeping, reset per backward (see stage3.py's [Note: when a unit is released])
+        # backward bookkeeping, reset per backward (see stage3_hooks.py's [Note: when a unit is released])
         self.calls_pending = 0  # forward calls whose post-backward has not run yet
         self.grads_pending = 0  # trainable params whose gradient is not final yet
 
