@@ -81,19 +81,21 @@ def initialize(
     optimizer_device = Home.for_section(device, cfg.zero_optimization.offload_optimizer).device  # the host if offloaded
     make_optimizer = (lambda _: NoOptimizer(forward_only)) if forward_only else \
         optimizer_factory(optimizer, cfg.optimizer, optimizer_device)
-    _check_ranks_agree(model, cfg, device)
-    nodes = node_layout()  # the comm ledger counts intra- and inter-node bytes apart
-    comm.set_node_layout([nodes.node_of(r) for r in range(comm.get_world_size())])
-    strategy = strategy_cls(cfg, policy, device)
-    strategy.wrap(model, groups, make_optimizer)
-    _warn_if_slow_offloaded_optimizer(strategy)
-    if forward_only and (lr_scheduler is not None or cfg.scheduler is not None):
-        warn_once(f"the engine runs forward only ({forward_only}): its lr scheduler is not built")
-    scheduler = None if forward_only else _make_scheduler(lr_scheduler, cfg, strategy.optimizer)
-    if cfg.activation_checkpointing != type(cfg.activation_checkpointing)():
-        checkpointing.configure(deepspeed_config=cfg)
-    engine = Engine(model, cfg, strategy, scheduler, training_data, collate_fn)
-    comm.ledger.end_init()
+    comm_ledger = comm.CommLedger()  # the engine's own: start-up's collectives are its `init`
+    with comm.recording(comm_ledger):
+        _check_ranks_agree(model, cfg, device)
+        nodes = node_layout()  # the comm ledger counts intra- and inter-node bytes apart
+        comm.set_node_layout([nodes.node_of(r) for r in range(comm.get_world_size())])
+        strategy = strategy_cls(cfg, policy, device, comm_ledger)
+        strategy.wrap(model, groups, make_optimizer)
+        _warn_if_slow_offloaded_optimizer(strategy)
+        if forward_only and (lr_scheduler is not None or cfg.scheduler is not None):
+            warn_once(f"the engine runs forward only ({forward_only}): its lr scheduler is not built")
+        scheduler = None if forward_only else _make_scheduler(lr_scheduler, cfg, strategy.optimizer)
+        if cfg.activation_checkpointing != type(cfg.activation_checkpointing)():
+            checkpointing.configure(deepspeed_config=cfg)
+        engine = Engine(model, cfg, strategy, scheduler, training_data, collate_fn)
+    comm.end_init(comm_ledger)
     show_on_stderr(cfg.log_level)
     log_rank0("zerodp: stage %d, %s, %s", cfg.zero_optimization.stage, cfg.precision,
               f"forward only ({forward_only})" if forward_only else cfg.batch.describe())

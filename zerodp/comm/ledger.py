@@ -178,6 +178,21 @@ def records_to_own_ledger(method: _Method) -> _Method:
     return recorded  # type: ignore[return-value]
 
 
+def end_init(engine_ledger: CommLedger) -> None:
+    """Close an engine's start-up phase in its ledger and in the process's."""
+    engine_ledger.end_init()
+    if engine_ledger is not ledger:
+        ledger.end_init()
+
+
+def end_step(engine_ledger: CommLedger) -> None:
+    """Close an engine's optimizer step in its ledger, and the process's step (cut at every engine's
+    boundary, as before engines had ledgers of their own)."""
+    engine_ledger.end_step()
+    if engine_ledger is not ledger:
+        ledger.end_step()
+
+
 def record(op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """Count one collective in the process's ledger and in the issuing engine's."""
     ledger.record(op, tensor, group)

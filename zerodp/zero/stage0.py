@@ -89,6 +89,7 @@ class Stage0(Strategy):
         if boundary:
             self.sequence.reset()
 
+    @comm.records_to_own_ledger
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook: fold the gradient into the flat buffer, launch ready buckets."""
         self.entering_backward_hook()

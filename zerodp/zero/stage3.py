@@ -275,6 +275,7 @@ class Stage3(Strategy):
 
     # --- forward ---------------------------------------------------------------------------------------
 
+    @comm.records_to_own_ledger
     def _pre_forward(self, unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
         if in_backward():  # recomputation of a checkpointed block: see [Note: stage-3 hooks]
             self._gather(unit)
@@ -306,6 +307,7 @@ class Stage3(Strategy):
             leaves[i] = out
         return tree_unflatten(leaves, spec)
 
+    @comm.records_to_own_ledger
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output):
         if self._all_held:
             if unit is self.root:  # the pass is over
@@ -354,6 +356,7 @@ class Stage3(Strategy):
         unit.holds += 1
         self._kept.append(unit)
 
+    @comm.records_to_own_ledger
     def _pre_forward_alone(self, unit: Unit, module: nn.Module, args: tuple) -> None:
         """A submodule of a released unit called outside the unit's forward: gather around it."""
         if unit.holds and not torch.is_grad_enabled():  # gathered by GatheredParameters: nothing to do
@@ -364,6 +367,7 @@ class Stage3(Strategy):
         if gather:
             self._gather(unit)
 
+    @comm.records_to_own_ledger
     def _post_forward_alone(self, unit: Unit, module: nn.Module, args: tuple, output) -> None:
         if unit.holds and not torch.is_grad_enabled():
             return
@@ -384,6 +388,7 @@ class Stage3(Strategy):
         for unit in self.units:
             unit.grads_pending = len(unit.trainable.params) if unit.trainable is not None else 0
 
+    @comm.records_to_own_ledger
     def _pre_backward(self, unit: Unit, grad) -> None:
         self.entering_backward_hook()
         following = self.trace.visit("backward", unit.index)
@@ -391,10 +396,12 @@ class Stage3(Strategy):
         if following:
             self._prefetch("backward")
 
+    @comm.records_to_own_ledger
     def _post_backward(self, unit: Unit) -> None:
         unit.calls_pending -= 1
         self._release_if_done(unit)
 
+    @comm.records_to_own_ledger
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         self.entering_backward_hook()
         unit = self.unit_of[p]
@@ -645,6 +652,7 @@ class Stage3(Strategy):
 
     # --- full weights ------------------------------------------------------------------------------------
 
+    @comm.records_to_own_ledger
     def _state_dict_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
         """`module.state_dict()`: with stage3_gather_16bit_weights_on_model_save, full parameters on rank 0
         and {} elsewhere (every rank must call it); without it, DeepSpeed's answer: each parameter as
