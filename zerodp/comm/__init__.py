@@ -25,6 +25,9 @@ from zerodp.comm.collectives import (
     reduce_scatter_tensor,
 )
 from zerodp.comm.guard import PeerFailed, barrier_naming_missing_ranks, gather_messages, on_every_rank
+# `ledger` below is the process-wide CommLedger, which replaces the submodule of the same name as this
+# package's attribute (`comm.ledger.current` as before); the module is `zerodp.comm.ledger` in sys.modules,
+# so `from zerodp.comm.ledger import X` still reaches it.
 from zerodp.comm.ledger import (
     INTER_NODE,
     INTRA_NODE,
