@@ -49,7 +49,7 @@ def _alone_and_together(rank: int, world: int, direct_backward: bool) -> tuple[d
 def test_each_engine_reports_its_own_step_when_two_engines_interleave(direct_backward: bool) -> None:
     for alone, together in run_ranks(_alone_and_together, 2, args=(direct_backward,), timeout=200):
         for name in "ab":
-            for phase in ("init", "last_step", "one_off"):
+            for phase in ("last_step", "init", "one_off"):
                 assert together[name][phase] == alone[name][phase], (name, phase, together[name][phase],
                                                                       alone[name][phase])
         a, b = together["a"]["last_step"]["ops"], together["b"]["last_step"]["ops"]
