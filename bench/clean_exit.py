@@ -6,7 +6,7 @@ torch DDP, under torchrun and `zerodp run`.
 
 A finished gloo job can abort at interpreter exit ("terminate called without an active
 exception", exit -6; torch issue #190489): see [Note: leaving nothing for interpreter shutdown] in
-zerodp/comm.py. The scripts never call destroy_process_group, as DeepSpeed's and most users' do not.
+zerodp/comm/lifecycle.py. The scripts never call destroy_process_group, as DeepSpeed's and most users' do not.
 Runs are sequential (2 ranks on this machine's 2 cores); results go to bench/results/clean_exit.json.
 """
 

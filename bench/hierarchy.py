@@ -9,7 +9,7 @@ host talk over its loopback, the hosts over veth pairs and a bridge, whose egres
 (--d-model, 4 blocks, fp32, AdamW) at ZeRO stage 3 for --steps steps in fresh processes, round
 after round (--rounds, modes interleaved); the step time is the median over steps after the first
 and over rounds. Bytes are every rank's comm ledger for the last step, split by link (a group on one
-host: intra-node; spanning both: inter-node; see zerodp/comm.py's [Note: links]). Results go to
+host: intra-node; spanning both: inter-node; see zerodp/comm/ledger.py's [Note: links]). Results go to
 bench/results/hierarchy.json.
 """
 

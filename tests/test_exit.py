@@ -1,5 +1,5 @@
 """How a zerodp process ends: a finished one exits 0, a failed one exits non-zero with its own
-traceback, and neither waits long. See [Note: leaving nothing for interpreter shutdown] in comm.py.
+traceback, and neither waits long. See [Note: leaving nothing for interpreter shutdown] in zerodp/comm/lifecycle.py.
 
 These tests start real interpreters (subprocess), because the harness's ranks leave with
 os._exit and never run interpreter shutdown, which is where the failure lives.

@@ -69,20 +69,20 @@ def initialize(
         raise ValueError("dist_init_required=False but torch.distributed is not initialised")
     comm.init_distributed()
     device = comm.device_for_backend()
-    _check_ranks_agree(model, cfg, device)
-    nodes = node_layout()  # the comm ledger counts intra- and inter-node bytes apart
-    comm.set_node_layout([nodes.node_of(r) for r in range(comm.get_world_size())])
-    strategy = strategy_cls(cfg, policy, device)
-    strategy.wrap(model, groups, _optimizer_maker(optimizer, cfg, device, forward_only))
-    _warn_if_slow_offloaded_optimizer(strategy)
-    if forward_only and (lr_scheduler is not None or cfg.scheduler is not None):
-        warn_once(f"the engine runs forward only ({forward_only}): its lr scheduler is not built")
-    scheduler = None if forward_only else _make_scheduler(lr_scheduler, cfg, strategy.optimizer)
-    if cfg.activation_checkpointing != type(cfg.activation_checkpointing)():
-        checkpointing.configure(deepspeed_config=cfg)
-    engine = Engine(model, cfg, strategy, scheduler, training_data, collate_fn)
+    comm_ledger = comm.CommLedger()  # the engine's own: start-up's collectives are its `init`
+    with comm.recording(comm_ledger):
+        _check_ranks_agree(model, cfg, device)
+        nodes = node_layout()  # the comm ledger counts intra- and inter-node bytes apart
+        comm.set_node_layout([nodes.node_of(r) for r in range(comm.get_world_size())])
+        strategy = strategy_cls(cfg, policy, device, comm_ledger)
+        strategy.wrap(model, groups, _optimizer_maker(optimizer, cfg, device, forward_only))
+        _warn_if_slow_offloaded_optimizer(strategy)
+        scheduler = _scheduler_of(lr_scheduler, cfg, strategy, forward_only)
+        if cfg.activation_checkpointing != type(cfg.activation_checkpointing)():
+            checkpointing.configure(deepspeed_config=cfg)
+        engine = Engine(model, cfg, strategy, scheduler, training_data, collate_fn)
     engine.watch_phases(Doctor(engine))  # out of memory in forward, backward or step: one report
-    comm.ledger.end_init()
+    comm.end_init(comm_ledger)
     _announce(cfg, forward_only)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
@@ -161,6 +161,13 @@ def _known_world_size() -> int | None:
     if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
         return 1
     return None
+
+
+def _scheduler_of(lr_scheduler: Any, cfg: ZeroDPConfig, strategy: Any, forward_only: str | None) -> Any:
+    """The engine's lr scheduler; none for an engine that runs forward only (said once if one was asked for)."""
+    if forward_only and (lr_scheduler is not None or cfg.scheduler is not None):
+        warn_once(f"the engine runs forward only ({forward_only}): its lr scheduler is not built")
+    return None if forward_only else _make_scheduler(lr_scheduler, cfg, strategy.optimizer)
 
 
 def _make_scheduler(lr_scheduler: Any, cfg: ZeroDPConfig, optimizer: torch.optim.Optimizer) -> Any:

@@ -73,6 +73,7 @@ class Engine(nn.Module):
         self.module = module
         self.config = config
         self.strategy = strategy
+        self.comm_ledger = strategy.comm_ledger  # its collectives alone: [Note: one comm ledger per engine]
         self.optimizer = strategy.optimizer
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = make_loss_scaler(config.fp16)
@@ -255,6 +256,7 @@ class Engine(nn.Module):
 
     # --- the loop -----------------------------------------------------------------------------
 
+    @comm.records_to_own_ledger
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (inputs cast to fp16 when `fp16.auto_cast`)."""
         self._check_resident("forward")
@@ -285,6 +287,7 @@ class Engine(nn.Module):
         for t in scalars or tensors:
             t.register_hook(lambda grad: grad if _engine_backwards_running else grad / gas)
 
+    @comm.records_to_own_ledger
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of `loss` / gradient_accumulation_steps x loss scale; returns the loss divided by
         the accumulation steps (DeepSpeed's return value). Reduces gradients at the boundary."""
@@ -335,6 +338,7 @@ class Engine(nn.Module):
                 err.add_note(hint)
             raise
 
+    @comm.records_to_own_ledger
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Call after every backward: at the accumulation boundary unscale, clip, run the optimizer and
         the scheduler, zero gradients; elsewhere only count the micro-batch."""
@@ -378,7 +382,7 @@ class Engine(nn.Module):
         self.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
-        comm.ledger.end_step()
+        comm.end_step(self.comm_ledger)
         return scale
 
     def _step_flops(self, wall: float) -> dict[str, float | None]:
@@ -475,6 +479,7 @@ class Engine(nn.Module):
             pin_memory=pin_memory and self.device.type == "cuda", drop_last=self.config.dataloader_drop_last,
         )
 
+    @comm.records_to_own_ledger
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Save a sharded, crash-safe checkpoint into `save_dir/tag` (default tag
@@ -484,6 +489,7 @@ class Engine(nn.Module):
         self._check_resident("save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
+    @comm.records_to_own_ledger
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
@@ -572,6 +578,7 @@ class Engine(nn.Module):
         """The config's `stage3_gather_16bit_weights_on_model_save` (DeepSpeed's accessor)."""
         return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
+    @comm.records_to_own_ledger
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """The full 16-bit state dict of a stage-3 model on rank 0's host, gathered one unit at a time;
         None on the other ranks (DeepSpeed's method, which accelerate's `get_state_dict` calls). Call
@@ -583,6 +590,7 @@ class Engine(nn.Module):
         state = self.strategy.gathered_state_dict(keep=(lambda n: n not in frozen) if exclude_frozen_parameters else None)
         return state if comm.get_rank() == 0 else None
 
+    @comm.records_to_own_ledger
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the full working-precision weights to `save_dir/save_filename` from rank 0 (a
@@ -670,9 +678,10 @@ class Engine(nn.Module):
         return report
 
     def comm_report(self) -> dict:
-        """Collectives per op and dtype, in elements and bytes: of the last optimizer step, of
-        start-up, and one-off work between steps (stage 0's layout rebuild after step 1)."""
-        ledger = comm.ledger
+        """This engine's collectives (not those of another engine in the process) per op and dtype, in
+        elements and bytes: of its last optimizer step, of its start-up, and one-off work between steps
+        (stage 0's layout rebuild after step 1). See [Note: one comm ledger per engine]."""
+        ledger = self.comm_ledger
         return {"last_step": comm.comm_report(ledger.last_step), "init": comm.comm_report(ledger.init),
                 "one_off": comm.comm_report(ledger.one_off)}
 

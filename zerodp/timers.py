@@ -74,7 +74,7 @@ class ThroughputTimer:
 # Where one optimizer step's seconds go. The engine marks its phases (forward, backward, the boundary
 # step) with `StepClock.phase`; inside them the layers below mark what the work waits on with
 # `waiting(part)`: the comm layer every collective call and every wait on an async one
-# ("communication": comm.py's _naming_lost_peers wraps both), offload its copies between host and
+# ("communication": zerodp/comm/lifecycle.py's naming_lost_peers wraps both), offload its copies between host and
 # device ("offload") and the swap pipeline its waits on the disk ("nvme"). A phase's own work is its
 # time minus those waits (forward and backward compute; the optimizer step); the time outside the
 # engine's calls is the input's (the data loader, and the user's code between the calls).

@@ -155,7 +155,7 @@ def simulated_world(world_size: int, rank: int = 0, device: str = "meta") -> Ite
         raise SimulationUnavailable("a process group already exists in this process; simulate in a fresh one")
     excepthook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]: " to every traceback line
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    comm.simulated_device = torch.device(device)
+    comm.set_simulated_device(torch.device(device))
     recorder = LiveBytes(device)
     try:
         with _fused_kernels_on(device), FakeTensorMode(allow_non_fake_inputs=True), counting_resizes(recorder), \
@@ -231,7 +231,7 @@ def _fused_kernels_on(device_type: str) -> Iterator[None]:
 @dataclass(frozen=True)
 class CommVolume:
     """Collectives one rank ran, per op ("all_gather", "reduce_scatter", ...): bytes as the comm
-    ledger counts them (zerodp/comm.py: all-reduce twice its tensor) and calls."""
+    ledger counts them (zerodp/comm/ledger.py: all-reduce twice its tensor) and calls."""
 
     bytes: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)

@@ -56,10 +56,13 @@ class Strategy(abc.ABC):
     reduces_every_micro_batch = False
     """True when gradients are reduced in every backward (stage 2): `no_sync` cannot apply."""
 
-    def __init__(self, config, policy: DtypePolicy, device: torch.device) -> None:
+    def __init__(self, config, policy: DtypePolicy, device: torch.device,
+                 comm_ledger: comm.CommLedger | None = None) -> None:
         self.config = config
         self.policy = policy
         self.device = device
+        # its engine's collectives, counted by its hooks too ([Note: one comm ledger per engine], zerodp/comm/ledger.py)
+        self.comm_ledger = comm.CommLedger() if comm_ledger is None else comm_ledger
         self.transient_peak: dict[str, int] = {}  # short-lived buffers, by name: largest size seen
         zero = config.zero_optimization
         self.home = Home.for_section(device, zero.offload_optimizer)  # masters, optimizer state, grad shards
@@ -85,6 +88,7 @@ class Strategy(abc.ABC):
         self.backward_open = True
         self.before_backward(boundary)
 
+    @comm.records_to_own_ledger  # also run as autograd's callback at the end of a pass the engine did not start
     def end_backward(self, boundary: bool) -> None:
         """Close the open backward pass."""
         try:

@@ -124,6 +124,7 @@ class Stage0(Strategy):
         elif self.reduction is ReductionState.LAUNCHING:  # a boundary backward an exception unwound
             self._move(ReductionState.ACCUMULATING)
 
+    @comm.records_to_own_ledger
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook: fold the gradient into the flat buffer, launch ready buckets."""
         self.entering_backward_hook()

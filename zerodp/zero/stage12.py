@@ -196,6 +196,7 @@ class Stage12(Strategy):
                     ".float() or an assignment to .data): ZeRO stage 1/2 keeps parameters as views of its flat "
                     "buffers. Cast or move the model before initialize(), or set the dtype in the config")
 
+    @comm.records_to_own_ledger
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         self.entering_backward_hook()
         self.group_of[p].flat_grad.fold(p)
@@ -360,6 +361,7 @@ class Stage2(Stage12):
         self._check_views()
         self.sequence.reset()
 
+    @comm.records_to_own_ledger
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         self.entering_backward_hook()
         self.sequence.grad_ready(self.bucket_of[p], self.names.get(p, "?"))

@@ -398,6 +398,7 @@ class Stage3(Stage3Hooks, Strategy):
 
     # --- full weights ------------------------------------------------------------------------------------
 
+    @comm.records_to_own_ledger
     def _state_dict_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
         """`module.state_dict()`: with stage3_gather_16bit_weights_on_model_save, full parameters on rank 0
         and {} elsewhere (every rank must call it); without it, DeepSpeed's answer: each parameter as

@@ -211,6 +211,7 @@ class Stage3Hooks:
             self.passes.end(PassKind.BACKWARD)
         return PassKind.TRAINING_FORWARD if torch.is_grad_enabled() else PassKind.NO_GRAD_FORWARD
 
+    @comm.records_to_own_ledger
     def _pre_forward(self, unit: Unit, module: nn.Module, args: tuple, kwargs: dict):
         kind = self._forward_call_kind()
         if kind is PassKind.RECOMPUTE:  # see [Note: stage-3 hooks]
@@ -244,6 +245,7 @@ class Stage3Hooks:
             leaves[i] = out
         return tree_unflatten(leaves, spec)
 
+    @comm.records_to_own_ledger
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output):
         if self.passes.kind is PassKind.HELD:
             if unit is self.root:  # the pass is over
@@ -304,6 +306,7 @@ class Stage3Hooks:
         unit.holds += 1
         keep.kept.append(unit)
 
+    @comm.records_to_own_ledger
     def _pre_forward_alone(self, unit: Unit, module: nn.Module, args: tuple) -> None:
         """A submodule of a released unit called outside the unit's forward: gather around it."""
         if unit.holds and not torch.is_grad_enabled():  # gathered by GatheredParameters: nothing to do
@@ -315,6 +318,7 @@ class Stage3Hooks:
         if gather:
             self._gather(unit, kind)
 
+    @comm.records_to_own_ledger
     def _post_forward_alone(self, unit: Unit, module: nn.Module, args: tuple, output) -> None:
         if unit.holds and not torch.is_grad_enabled():
             return
@@ -331,6 +335,7 @@ class Stage3Hooks:
         self.entering_backward_hook()
         self.passes.backward_hook()
 
+    @comm.records_to_own_ledger
     def _pre_backward(self, unit: Unit, grad) -> None:
         self._entering_backward_hook()
         following = self.trace.visit("backward", unit.index)
@@ -338,12 +343,14 @@ class Stage3Hooks:
         if following:
             self._prefetch("backward", PassKind.BACKWARD)
 
+    @comm.records_to_own_ledger
     def _post_backward(self, unit: Unit) -> None:
         if self.passes.kind is PassKind.RECOMPUTE:
             self.passes.backward_hook()
         unit.calls_pending -= 1
         self._release_if_done(unit)
 
+    @comm.records_to_own_ledger
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         self._entering_backward_hook()
         unit = self.unit_of[p]

@@ -124,7 +124,7 @@ def _my_group(groups: list[list[int]], rank: int):
 
 def stage3_link_numel(mode: str, numel: int, group_size: int, micro_batches: int) -> dict[str, int]:
     """Elements one rank moves per optimizer step on each link at stage 3, as the comm ledger counts
-    them (zerodp/comm.py: an all-gather its output, a reduce-scatter its input, an all-reduce twice),
+    them (zerodp/comm/ledger.py: an all-gather its output, a reduce-scatter its input, an all-reduce twice),
     for `numel` parameter elements (padded) in units released between forward and backward, with
     `micro_batches` forward-backward passes per step, on more than one node. `mode`: "flat" (every
     collective spans the nodes), "hpz" or "mics" with `group_size` ranks per group, each group one

@@ -1,4 +1,4 @@
-"""`deepspeed.comm` (`from deepspeed import comm as dist`): DeepSpeed's collectives facade, on zerodp's comm.py.
+"""`deepspeed.comm` (`from deepspeed import comm as dist`): DeepSpeed's collectives facade, on zerodp.comm.
 
 Every collective goes through zerodp.comm, so it is counted in the communication ledger of the step it
 runs in (`engine.comm_report()`), as DeepSpeed's comms logger counts a script's own calls.

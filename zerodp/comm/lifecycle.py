@@ -1,0 +1,300 @@
+"""Process groups and the end of a process: setting up torch.distributed, the rank queries, and the
+exit drain that leaves nothing for interpreter shutdown to tear down.
+
+Launch recipe (what `zerodp run` does for you):
+    torchrun --standalone --nproc-per-node 2 train.py   # then zerodp.init_distributed() in train.py
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import socket
+import sys
+import time
+import weakref
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from zerodp import timers
+from zerodp.log import logger
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Collective timeout (DeepSpeed's 10 minutes); override with $ZERODP_TIMEOUT (seconds)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# what the backend's threads still hold
+
+# [Note: leaving nothing for interpreter shutdown]
+# A collective's work object holds the tensors it was given. The backend's worker thread (gloo's
+# runLoop, NCCL's watchdog) drops its reference after the work completes, so it, not Python, may
+# release the last C++ reference to a tensor that has a Python object; that release takes the GIL.
+# If it happens after the interpreter started finalising, taking the GIL calls pthread_exit, whose
+# forced unwind meets a noexcept destructor: "terminate called without an active exception",
+# SIGABRT (torch issue #190489). Seen in a core dump: AsyncBroadcastWork::~AsyncBroadcastWork ->
+# TensorImpl::decref_pyobject -> take_gil -> PyThread_exit_thread, while the main thread was in
+# Py_FinalizeEx. The worker is that late because completing a work and dropping it are two steps,
+# and on a busy machine the thread may not run between them before the script ends.
+# So (1) every collective gets a fresh alias of its tensors, watched by a weak reference: the
+# alias's Python object dies exactly when the last holder lets go; (2) an async collective returns
+# a `Pending` that drops the work as soon as it is waited, so after `wait()` only the backend's
+# thread can hold the alias; (3) at exit `drain_pending` waits for every Pending nobody waited
+# for, then (with the GIL released) until no alias is left. A failed script waits at most a second
+# and, if a collective can never finish (its peer is gone), leaves with os._exit: interpreter
+# shutdown would otherwise join the backend's thread and wait for that collective's timeout.
+# (4) The collectives other libraries issue (Accelerate's and TRL's gathers) go to torch.distributed
+# directly, with no alias to watch; for those the exit then waits, the GIL released, until gloo's
+# worker threads (torch names them "pt_gloo_runloop") have been off the CPU for two polls in a row,
+# at most a few seconds: a worker that completed such a collective and has not dropped it yet is
+# runnable, or waits for the GIL, which the polls' sleeps hand it. Seen once without it: a TRL GRPO
+# run at stage 3 (tests/test_trl.py) aborted after its last line, on a machine busy with other tests.
+
+_handed: set[weakref.ref] = set()
+"""Weak references to the tensor aliases given to collectives whose work object still exists."""
+
+unwaited: weakref.WeakSet = weakref.WeakSet()
+"""Async collectives (`Pending`) not waited for yet."""
+
+DRAIN_TIMEOUT_S = 30.0
+"""How long a finishing process waits for its collectives to be released (normally milliseconds)."""
+
+
+def handed_over(tensor: torch.Tensor) -> torch.Tensor:
+    """An alias of `tensor` (same storage) to give a collective; its weak reference's callback runs
+    on whichever thread drops the work last."""
+    alias = tensor.detach()
+    _handed.add(weakref.ref(alias, _handed.discard))
+    return alias
+
+
+def pending_collectives() -> int:
+    """Tensors given to collectives that a work object still holds (0 once everything is released)."""
+    return len(_handed)
+
+
+def drain_pending(timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
+    """Wait for every unwaited async collective, then until the backend's threads hold no tensor
+    zerodp gave them; True when nothing is left within `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    for pending in list(unwaited):
+        while not pending.is_completed():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        pending.wait()
+    while _handed:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)  # releases the GIL, which the worker needs to release the alias
+    return True
+
+
+_BACKEND_THREADS = ("pt_gloo_runloop",)
+"""The names of the backend's worker threads, which drop a collective's work after completing it."""
+
+
+def _backend_thread_running() -> bool | None:
+    """Whether one of the backend's worker threads is running or waiting for a CPU (Linux's /proc
+    says; None where it cannot)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread has ended
+        name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+        if name in _BACKEND_THREADS and state == "R":
+            return True
+    return False
+
+
+def settle_backend_threads(timeout_s: float) -> bool:
+    """Wait, the GIL released, until no backend worker thread was running at two polls in a row
+    (see [Note: leaving nothing for interpreter shutdown], (4)); False when `timeout_s` passed first."""
+    deadline, quiet = time.monotonic() + timeout_s, 0
+    while quiet < 2:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+        running = _backend_thread_running()
+        if running is None:
+            return True
+        quiet = 0 if running else quiet + 1
+    return True
+
+
+def _at_exit() -> None:
+    failed = getattr(sys, "last_value", None) is not None  # the top-level handler of an uncaught error sets it
+    if drain_pending(1.0 if failed else DRAIN_TIMEOUT_S):
+        if dist.is_available() and dist.is_initialized() and not settle_backend_threads(0.5 if failed else 3.0):
+            logger.debug("exiting while a backend thread is still busy")
+        return
+    logger.error("exiting with %d tensors still held by unfinished collectives (%d never waited for): "
+                 "a peer is gone, or the ranks issued different collectives", len(_handed), len(unwaited))
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(1)
+
+
+atexit.register(_at_exit)
+
+
+# ---------------------------------------------------------------------------------------------
+# a peer that is gone (every collective call and wait is wrapped in `naming_lost_peers`)
+
+
+class PeerGone(RuntimeError):
+    """A collective failed because another rank's process ended (crashed, killed, or left early)."""
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+@contextmanager
+def naming_lost_peers() -> Iterator[None]:
+    """Turn the backend's "Connection closed by peer [addr]:port" into PeerGone naming the rank
+    that is gone when it can be known (with two ranks, the other one). It wraps every collective
+    call and wait: their time is the step breakdown's communication (zerodp/timers.py)."""
+    try:
+        with timers.waiting("communication"):
+            yield
+    except RuntimeError as err:
+        if isinstance(err, PeerGone) or not any(marker in str(err) for marker in _PEER_LOST):
+            raise
+        world, rank = get_world_size(), get_rank()
+        who = f"rank {1 - rank}" if world == 2 else "another rank (the launcher's log names the first to fail)"
+        raise PeerGone(f"rank {rank}: {who} is gone, so this collective cannot finish; its own error is the "
+                       f"one to read. Backend: {' '.join(str(err).split())[:300]}") from err
+
+
+# ---------------------------------------------------------------------------------------------
+# process group
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The timeout given to every collective: $ZERODP_TIMEOUT seconds, default 600."""
+    return datetime.timedelta(seconds=float(os.environ.get("ZERODP_TIMEOUT", DEFAULT_TIMEOUT_S)))
+
+
+def default_backend() -> str:
+    """nccl when CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+    **_deepspeed_only: object,
+) -> None:
+    """Initialise torch.distributed if it is not yet (DeepSpeed's `init_distributed`).
+
+    Args:
+        dist_backend: "nccl" or "gloo"; default nccl on CUDA, gloo on CPU.
+        timeout: collective timeout; default $ZERODP_TIMEOUT or 600 s.
+        init_method: torch's init_method; default env:// (set by torchrun / `zerodp run`).
+        rank, world_size: explicit values; default from $RANK / $WORLD_SIZE.
+    A script started without a launcher (no $RANK/$WORLD_SIZE) becomes a 1-rank job on a free
+    local port. DeepSpeed-only arguments (auto_mpi_discovery, distributed_port, verbose, ...) are
+    accepted and ignored.
+    """
+    if dist.is_initialized():
+        return
+    if rank < 0 and world_size < 0 and "RANK" not in os.environ and init_method is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        rank, world_size = 0, 1
+        logger.info("no launcher environment ($RANK unset): starting a 1-rank process group")
+    backend = dist_backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = timeout or collective_timeout()
+    store = _restarted_elastic_store(timeout) if init_method is None and rank < 0 and world_size < 0 else None
+    if store is not None:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend=backend, init_method=init_method, timeout=timeout, rank=rank,
+                            world_size=world_size, store=store)
+
+
+def _restarted_elastic_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun after a restart (an elastic job lost a host, or a worker failed): the agent's
+    store, under a prefix of its own for this attempt (None otherwise: torch's env:// as usual).
+
+    torchrun's agent keeps one store for the job and hands it to every attempt's workers without a
+    prefix, so the previous attempt's keys are still there: a restarted rank that reads its peers'
+    gloo addresses before they rewrote them gets a dead process's address ("Gloo connectFullMesh
+    failed ... Connection refused"; seen in tests/test_multihost.py's elastic test)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"zerodp/attempt_{attempt}", agent)
+
+
+def is_initialized() -> bool:
+    """True when torch.distributed has a default process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """Rank in `group` (default: the world); 0 without a process group."""
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Size of `group` (default: the world); 1 without a process group."""
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def backend() -> str | None:
+    """The default group's backend ("gloo", "nccl"), None without a process group."""
+    return dist.get_backend() if is_initialized() else None
+
+
+def device_for_backend() -> torch.device:
+    """The device tensors must live on for the default group's collectives (a simulated rank's:
+    `meta`, which stands for its accelerator)."""
+    if is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return simulated_device if simulated() else torch.device("cpu")
+
+
+simulated_device = torch.device("meta")
+"""The device a simulated rank trains on (`set_simulated_device`): meta stands for a GPU."""
+
+
+def set_simulated_device(device: torch.device) -> None:
+    """The device a simulated rank trains on (zerodp/plan/simulate.py: meta for a GPU, cpu for a
+    CPU-only run)."""
+    global simulated_device
+    simulated_device = device
+
+
+def simulated() -> bool:
+    """True on the estimator's fake process group (zerodp/plan/simulate.py): collectives move no
+    data, so checks that compare ranks' values have nothing to compare."""
+    return is_initialized() and dist.get_backend() == "fake"
+
+
+def new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group of `ranks` (global ranks). Every rank must call it, for every group, in the
+    same order (torch's rule), also ranks that are not in `ranks`."""
+    return dist.new_group(ranks=ranks, timeout=collective_timeout())
