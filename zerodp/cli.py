@@ -287,7 +287,8 @@ def _cmd_ckpt_convert(args: argparse.Namespace) -> int:
     import torch
 
     from zerodp.checkpoint import convert_to_safetensors, convert_to_torch
-    from zerodp.checkpoint.convert import copy_hf_config, hf_config_problem, parse_size
+    from zerodp.checkpoint.convert import copy_hf_config, hf_config_problem
+    from zerodp.sizes import parse_size
     from zerodp.checkpoint.deepspeed import convert_to_zerodp, find_tag_dir
     from zerodp.checkpoint.format import CheckpointError
 
@@ -362,24 +363,9 @@ def _convert_source_problem(args: argparse.Namespace, is_deepspeed: bool) -> str
     return None
 
 
-_COUNT_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
-
-
-def _count(text: str) -> int | None:
-    """7.5e9, 7B, 350M, 1.3b, 125000000 -> a whole count (None if it is not one), in exact decimal."""
-    from decimal import Decimal, InvalidOperation
-
-    body, suffix = (text[:-1], text[-1].upper()) if text[-1:].upper() in ("K", "M", "B", "T") else (text, "")
-    try:
-        value = Decimal(body) * _COUNT_SUFFIXES[suffix]
-    except InvalidOperation:
-        return None
-    whole = value.is_finite() and 1 <= value < 10**18 and value == value.to_integral_value()
-    return int(value) if whole else None
-
-
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from zerodp.plan.estimate import ACTIVATION_CHECKPOINTING, estimate_rows, workload
+    from zerodp.sizes import parse_count
 
     problems, module, work = [], None, None
     if args.params is None and args.model is None:
@@ -392,13 +378,13 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             module = work.meta()
         except ValueError as err:
             problems.append(str(err))
-    numel = _count(args.params) if args.params is not None else None
+    numel = parse_count(args.params) if args.params is not None else None
     if module is not None:
         numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
     if args.params is not None and numel is None:
         problems.append(f"--params {args.params!r}: expected a number of parameters such as 7.5e9 or 7B")
-    world, largest = _count(args.world_size), _count(args.largest_layer) if args.largest_layer != "0" else 0
-    micro_batch = _count(args.micro_batch)
+    world, largest = parse_count(args.world_size), parse_count(args.largest_layer) if args.largest_layer != "0" else 0
+    micro_batch = parse_count(args.micro_batch)
     if world is None:
         problems.append(f"--world-size {args.world_size}: expected a positive number of ranks")
     if largest is None:
@@ -412,7 +398,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
                         f"list of {', '.join(ACTIVATION_CHECKPOINTING)}")
     seq_len = None
     if work is not None and work.feeds(module) and not args.model_states_only:
-        seq_len = _count(args.seq_len) if args.seq_len is not None else min(work.max_seq_len or 2048, 2048)
+        seq_len = parse_count(args.seq_len) if args.seq_len is not None else min(work.max_seq_len or 2048, 2048)
         if seq_len is None:
             problems.append(f"--seq-len {args.seq_len}: expected a positive number of tokens")
         elif work.max_seq_len is not None and seq_len > work.max_seq_len:

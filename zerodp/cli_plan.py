@@ -61,7 +61,7 @@ def add_parser(sub: argparse._SubParsersAction, func) -> None:
 
 def cluster_from(args: argparse.Namespace, problems: list[str]) -> "Cluster | None":
     """The Cluster the flags describe; problems appended (naming the flag) instead of raising."""
-    from zerodp.checkpoint.convert import parse_size
+    from zerodp.sizes import parse_size
     from zerodp.plan.cluster import gpu_cluster
 
     overrides: dict = {}
@@ -94,6 +94,7 @@ def cluster_from(args: argparse.Namespace, problems: list[str]) -> "Cluster | No
 def cmd_plan(args: argparse.Namespace) -> int:
     from zerodp.plan.estimate import ACTIVATION_CHECKPOINTING, workload
     from zerodp.plan.planner import plan
+    from zerodp.sizes import parse_count
 
     problems: list[str] = []
     cluster = cluster_from(args, problems)
@@ -102,9 +103,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         work = workload(args.model)
     except ValueError as err:
         problems.append(str(err))
-    from zerodp.cli import _count
-
-    seq_len, global_batch = (_count(getattr(args, k)) for k in ("seq_len", "global_batch"))
+    seq_len, global_batch = (parse_count(getattr(args, k)) for k in ("seq_len", "global_batch"))
     if seq_len is None:
         problems.append(f"--seq-len {args.seq_len!r}: expected a whole number of tokens >= 1")
     elif work is not None and work.max_seq_len is not None and seq_len > work.max_seq_len:
@@ -143,7 +142,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _print_plan(args: argparse.Namespace, result: "Plan") -> None:
-    from zerodp.plan.estimate import decimal_size
+    from zerodp.sizes import decimal_size
 
     c = result.cluster
     print(f"plan: {args.model}, {c.nodes} node(s) x {c.gpus_per_node} {c.name} ({decimal_size(c.gpu_memory_bytes)} each, "

@@ -445,12 +445,10 @@ def verdict(rows: list[dict], nproc: int, tie: float = 0.05) -> str:
     return text
 
 
-def _mb(value: float | None) -> str:
-    return "-" if value is None else f"{value / 1e6:.2f}"
-
-
 def write_report(out: Path, rows: list[dict], meta: dict) -> None:
     """DIR/report.md and DIR/results.json."""
+    from zerodp.sizes import format_megabytes
+
     ran = [r for r in rows if "error" not in r]
     ddp = next((r for r in ran if r["framework"] == "ddp"), None)
     lines = [f"# zerodp compare: {meta['model']}", "",
@@ -473,11 +471,11 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> None:
               "| framework | peak | " + " | ".join(CATEGORIES) + " | zerodp's estimate of the peak |",
               "|---" * (len(CATEGORIES) + 3) + "|"]
     for r in ran:
-        cells = [_mb(r["memory"].get(c)) for c in CATEGORIES]
+        cells = [format_megabytes(r["memory"].get(c)) for c in CATEGORIES]
         predicted = r["predicted_peak"]
         estimate = "-" if predicted is None or not r["peak"] else \
-            f"{_mb(predicted)} ({100 * (predicted / r['peak'] - 1):+.1f}%)"
-        lines.append(f"| {r['label']} | {_mb(r['peak'])} | {' | '.join(cells)} | {estimate} |")
+            f"{format_megabytes(predicted)} ({100 * (predicted / r['peak'] - 1):+.1f}%)"
+        lines.append(f"| {r['label']} | {format_megabytes(r['peak'])} | {' | '.join(cells)} | {estimate} |")
     lines += ["", "## Communication per step (rank 0)", "",
               "Psi = parameters x the communicated dtype's bytes; the paper counts 2 Psi per rank and step (3 Psi at "
               f"stage 3), of which a ring sends (N - 1) / N = {meta['nproc'] - 1}/{meta['nproc']} per rank.", "",
@@ -486,8 +484,8 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> None:
     for r in ran:
         wire, ring = r["bytes_written"], r["ring_bytes"]
         ratio = f"{wire / ring:.2f}" if wire is not None and ring else "-"
-        lines.append(f"| {r['label']} | {_mb(wire)} | {_mb(r['paper_bytes'])} ({FRAMEWORKS[r['framework']].paper_volume} Psi) "
-                     f"| {_mb(ring)} | {ratio} | {_mb(r['ledger_comm_bytes'])} |")
+        lines.append(f"| {r['label']} | {format_megabytes(wire)} | {format_megabytes(r['paper_bytes'])} ({FRAMEWORKS[r['framework']].paper_volume} Psi) "
+                     f"| {format_megabytes(ring)} | {ratio} | {format_megabytes(r['ledger_comm_bytes'])} |")
     lines += ["", "## Loss (rank 0, every step, the same data for every framework)", "",
               "| framework | first | last | largest difference from DDP's |", "|---|---|---|---|"]
     for r in ran:

@@ -38,14 +38,6 @@ ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per element
 STEP_BYTES = 4  # torch's `step`: a 0-dim fp32 tensor per optimizer tensor
 
 
-def decimal_size(num_bytes: int) -> str:
-    """Bytes in powers of 1000, as the ZeRO paper and `zerodp estimate` give them: "12.89 MB", "16.64 GB"."""
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.2f} {unit}"
-    return f"{num_bytes} B"
-
-
 @dataclass(frozen=True)
 class Strategy:
     """A ZeRO configuration as the estimator sees it."""

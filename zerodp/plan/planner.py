@@ -25,8 +25,9 @@ from typing import Callable
 
 from zerodp.memory import CPU, DEVICE, NVME
 from zerodp.plan.cluster import Cluster, StepTime, Work, step_time
-from zerodp.plan.estimate import (DTYPES, Strategy, Workload, buffer_bytes, decimal_size, flat_states, module_flats,
+from zerodp.plan.estimate import (DTYPES, Strategy, Workload, buffer_bytes, flat_states, module_flats,
                                   strategy_config)
+from zerodp.sizes import decimal_size
 
 DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size, elements
 

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from zerodp.memory import DEVICE
-from zerodp.plan.estimate import Strategy, buffer_bytes, decimal_size, every_strategy, flat_states, module_flats
+from zerodp.plan.estimate import Strategy, buffer_bytes, every_strategy, flat_states, module_flats
+from zerodp.sizes import decimal_size
 
 LIMIT_ENV, SWITCH_ENV = "ZERODP_DEVICE_MEMORY_LIMIT", "ZERODP_PREFLIGHT"
 
@@ -28,7 +29,7 @@ class PreflightError(ValueError):
 
 def limit_from_env() -> int | None:
     """The bytes $ZERODP_DEVICE_MEMORY_LIMIT sets (ValueError naming it when unreadable), or None."""
-    from zerodp.checkpoint.convert import parse_size
+    from zerodp.sizes import parse_size
 
     text = os.environ.get(LIMIT_ENV)
     return parse_size(text, what=f"${LIMIT_ENV}") if text else None
