@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zerodp  # noqa: E402
 from zerodp.demo import GPTConfig, TinyGPT  # noqa: E402
-from zerodp.metrics import format_bytes  # noqa: E402
+from zerodp.sizes import format_bytes  # noqa: E402
 
 
 def dd_bandwidth(folder: Path, mib: int) -> tuple[float, float]:

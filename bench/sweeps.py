@@ -5,8 +5,8 @@
     python bench/sweeps.py --only clipping --rounds 5
 
 Four sweeps of zerodp on a 7.1M-parameter GPT (the demo's model at d_model 256, 6 layers, 128
-tokens), each point one launch of zerodp/compare.py's (fresh processes, memory from the allocator's
-count, rank 0's median step), the points interleaved over `--rounds`:
+tokens), each point one launch of zerodp/report/launch.py's (fresh processes, memory from the
+allocator's count, rank 0's median step), the points interleaved over `--rounds`:
 - `reduce_bucket_size` at stage 2, micro-batch 4: how many gradient elements are packed before a
   reduction starts (the seed's "what does bucket size affect": the transient bucket against the
   number of collectives);
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zerodp.compare import _launch  # noqa: E402
+from zerodp.report.launch import launch  # noqa: E402
 
 MODEL = "gpt:vocab_size=4096,seq_len=128,d_model=256,n_layer=6,n_head=4"
 SWEEPS = {
@@ -41,7 +41,7 @@ SWEEPS = {
         for b in (0, 1_000_000, 50_000_000)],
     "micro-batch (stage 2)": [("zerodp2", m, {}, str(m)) for m in (1, 2, 4, 8, 16)],
     "gradient_clipping (stage 2, micro-batch 4)": [("zerodp2", 4, {"gradient_clipping": c}, str(c)) for c in (0.0, 1.0)],
-}  # (framework, micro-batch, config keys over zerodp/compare.py's, label)
+}  # (framework, micro-batch, config keys over zerodp/report/runners.py's, label)
 
 
 def main() -> None:
@@ -62,7 +62,7 @@ def main() -> None:
                 job = {"framework": framework, "model": MODEL, "micro_batch": micro, "seq_len": 128, "dtype": "fp32",
                        "steps": args.steps, "warmup": 2, "memory": round_ == 0, "timeout": 600, "config": config,
                        "log": f"{logs}/{i}-{round_}-rank{{rank}}.log"}
-                result = _launch(job, 2)
+                result = launch(job, 2)
                 if "error" in result:
                     raise SystemExit(f"{sweep} {label}: {result['error']}\n{result['traceback']}")
                 results.setdefault((sweep, label), []).append(result)

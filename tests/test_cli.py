@@ -110,7 +110,7 @@ def test_demo_refuses_zero_steps_in_one_line() -> None:
 @pytest.mark.parametrize("text,size", [("5GB", 5 * 10**9), ("5G", 5 * 10**9), ("5GiB", 5 * 2**30), ("500MB", 5 * 10**8),
                                        ("1.5GB", 15 * 10**8), ("2KB", 2000), ("4096", 4096)])
 def test_shard_sizes_are_read_as_hugging_face_writes_them(text: str, size: int) -> None:
-    from zerodp.checkpoint.convert import parse_size
+    from zerodp.sizes import parse_size
 
     assert parse_size(text) == size
 

@@ -8,12 +8,13 @@ os._exit and never run interpreter shutdown, which is where the failure lives.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from zerodp.ports import free_port
 
 # The sync all-reduce is the script's last statement, so the worker thread of gloo releases the
 # tensor only after the script ends. A 30 s switch interval keeps the GIL with the main thread, so
@@ -42,16 +43,10 @@ _LATE_PEER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_two_ranks(script: str, tmp_path, env: dict | None = None) -> list[subprocess.Popen]:
     path = tmp_path / "script.py"
     path.write_text(script)
-    port = str(_free_port())
+    port = str(free_port())
     return [subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ZERODP_TIMEOUT": "200",

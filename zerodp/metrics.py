@@ -30,6 +30,9 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
+# format_count is not used here: both stay importable from zerodp.metrics, where users found them first
+from zerodp.sizes import format_bytes, format_count  # noqa: F401
+
 STEP_METRIC_KEYS = (
     "step",
     "total_steps",
@@ -129,37 +132,6 @@ def format_memory(report: Mapping[str, Any]) -> str:
     fields.append(f"model states {format_bytes(report['model_states'])}")
     fields += [f"activations ({tier}) {format_bytes(b)}" for tier, b in report.get("activations", {}).items()]
     return "memory: " + _SEPARATOR.join(fields)
-
-
-def _scaled(n: float, base: int, units: tuple[str, ...], decimals: Callable[[float], int]) -> str:
-    # Round first, then decide the unit: 1023.999 KiB must print as "1.00 MiB", not "1024.0 KiB".
-    sign = "-" if n < 0 else ""
-    value = abs(n)
-    for power, unit in enumerate(units):
-        scaled = value / base**power
-        places = decimals(scaled)
-        if round(scaled, places) < base or power == len(units) - 1:
-            return f"{sign}{scaled:.{places}f}{unit}"
-    raise AssertionError(f"unreachable: no unit for {n}")
-
-
-def format_bytes(n: int) -> str:
-    """A byte count for people: "512 B", "1.50 KiB", "12.3 MiB", "2.00 GiB" (powers of 1024).
-
-    Below 10 units two decimals are shown, above one; beyond GiB the unit is TiB.
-    """
-    if abs(n) < 1024:
-        return f"{int(n)} B"
-    units = ("", " KiB", " MiB", " GiB", " TiB")
-    return _scaled(n, 1024, units, lambda scaled: 2 if round(scaled, 2) < 10 else 1)
-
-
-def format_count(n: int) -> str:
-    """A count for people, one decimal, powers of 1000: 999 -> "999", 1234 -> "1.2K",
-    3_400_000 -> "3.4M", 5.6e9 -> "5.6B", then "T". Used for parameter and token counts."""
-    if abs(n) < 1000:
-        return str(int(n))
-    return _scaled(n, 1000, ("", "K", "M", "B", "T"), lambda scaled: 1)
 
 
 def _format_duration(seconds: float) -> str:

@@ -33,26 +33,6 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float
 Entry = tuple[str, list[int], torch.dtype]  # a tensor of an export: name, shape, dtype
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
-               "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str, what: str = "--max-shard-size") -> int:
-    """A size as Hugging Face and DeepSpeed write them: "5GB" and "5G" (10**9 bytes each), "5GiB"
-    (2**30), "500MB", "1.5GB", or a plain number of bytes. ValueError naming `what` and the spellings
-    otherwise."""
-    number = text.strip().rstrip("bBiIkKmMgGtT")
-    unit = text.strip()[len(number):].upper()
-    try:
-        size = float(number)
-    except ValueError:
-        size = -1.0
-    if unit not in _SIZE_UNITS or not size > 0:
-        raise ValueError(f"{what} {text!r}: expected a size such as 5GB, 5G, 5GiB, 500MB or a number "
-                         "of bytes (KB/MB/GB = powers of 1000, KiB/MiB/GiB = powers of 1024, as in Hugging Face)")
-    return int(size * _SIZE_UNITS[unit])
-
-
 def resolve_tag_dir(ckpt_dir: str | Path, tag: str | None = None) -> Path:
     """DIR/TAG, with TAG from DIR/latest when not given."""
     root = Path(ckpt_dir)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-import socket
 import sys
 import time
 import weakref
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from zerodp import timers
 from zerodp.log import logger
+from zerodp.ports import free_port
 
 DEFAULT_TIMEOUT_S = 600.0
 """Collective timeout (DeepSpeed's 10 minutes); override with $ZERODP_TIMEOUT (seconds)."""
@@ -190,12 +190,6 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(
     dist_backend: str | None = None,
     timeout: datetime.timedelta | None = None,
@@ -219,7 +213,7 @@ def init_distributed(
         return
     if rank < 0 and world_size < 0 and "RANK" not in os.environ and init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         rank, world_size = 0, 1
         logger.info("no launcher environment ($RANK unset): starting a 1-rank process group")
     backend = dist_backend or default_backend()

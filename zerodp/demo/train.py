@@ -21,8 +21,9 @@ import torch
 import zerodp
 from zerodp.demo import DEMO_DEFAULT, DEMO_LR, DEMO_MICRO_BATCH_SIZE, DEMO_STEPS, SyntheticTaskDataset, TinyGPT
 from zerodp.memory import format_ledger
-from zerodp.metrics import ProgressBar, Throughput, flops_per_token, format_breakdown, format_bytes, format_count
+from zerodp.metrics import ProgressBar, Throughput, flops_per_token, format_breakdown
 from zerodp.profiler import format_profile
+from zerodp.sizes import format_bytes, format_count
 
 _DTYPE_SECTIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
 

@@ -50,7 +50,7 @@ from typing import Callable, Optional
 import torch
 
 from zerodp.log import global_rank, log_rank0, logger
-from zerodp.metrics import format_bytes
+from zerodp.sizes import format_bytes
 from zerodp.offload.aio import (
     ALIGN_BYTES, AsyncFileIO, IOHandle, IOStats, SwapIOError, aligned_empty, bandwidth_MBps,
     open_swap_file, probe_direct_io, round_up,

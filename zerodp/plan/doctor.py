@@ -29,10 +29,10 @@ import torch
 
 from zerodp import comm
 from zerodp.memory import DEVICE
-from zerodp.plan.estimate import decimal_size
 from zerodp.plan.model_states import StrategySpec, every_strategy
 from zerodp.plan.preflight import LIMIT_ENV, device_bytes, limit_from_env, strategy_of
 from zerodp.plan.simulate import LiveBytes, counting_resizes
+from zerodp.sizes import decimal_size
 
 DIR_ENV = "ZERODP_DOCTOR_DIR"
 

@@ -20,14 +20,6 @@ if TYPE_CHECKING:
     import torch
 
 
-def decimal_size(num_bytes: int) -> str:
-    """Bytes in powers of 1000, as the ZeRO paper and `zerodp estimate` give them: "12.89 MB", "16.64 GB"."""
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.2f} {unit}"
-    return f"{num_bytes} B"
-
-
 ACTIVATION_CHECKPOINTING = ("none", "blocks", "selective")
 """The estimator's activation checkpointing policies (zerodp.checkpointing.apply)."""
 

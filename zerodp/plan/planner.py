@@ -26,9 +26,9 @@ from typing import Callable
 from zerodp.memory import CPU, DEVICE, NVME
 from zerodp.plan.cluster import Cluster, StepTime, Work, step_time
 from zerodp.plan.engines import EngineFactory
-from zerodp.plan.estimate import decimal_size
 from zerodp.plan.model_states import DTYPES, StrategySpec, buffer_bytes, flat_states, module_flats, strategy_config
 from zerodp.plan.workload import Workload
+from zerodp.sizes import decimal_size
 
 DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size, elements
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from zerodp.memory import DEVICE
-from zerodp.plan.estimate import decimal_size
 from zerodp.plan.model_states import StrategySpec, buffer_bytes, every_strategy, flat_states, module_flats
+from zerodp.sizes import decimal_size, parse_size
 
 LIMIT_ENV, SWITCH_ENV = "ZERODP_DEVICE_MEMORY_LIMIT", "ZERODP_PREFLIGHT"
 
@@ -29,8 +29,6 @@ class PreflightError(ValueError):
 
 def limit_from_env() -> int | None:
     """The bytes $ZERODP_DEVICE_MEMORY_LIMIT sets (ValueError naming it when unreadable), or None."""
-    from zerodp.checkpoint.convert import parse_size
-
     text = os.environ.get(LIMIT_ENV)
     return parse_size(text, what=f"${LIMIT_ENV}") if text else None
 

@@ -7,7 +7,7 @@ import logging
 from zerodp.compat.deepspeed._missing import missing_attributes
 from zerodp.compat.deepspeed.accelerator import get_accelerator
 from zerodp.log import log_rank0
-from zerodp.metrics import format_bytes
+from zerodp.sizes import format_bytes
 
 
 def see_memory_usage(message: str, force: bool = False) -> None:

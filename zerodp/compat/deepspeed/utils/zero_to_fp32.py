@@ -54,7 +54,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | Path, outpu
     safe_serialization, `model*.safetensors`) shards of at most `max_shard_size` plus an index, as
     DeepSpeed does; returns the files written."""
     _refuse("convert_zero_checkpoint_to_fp32_state_dict", exclude_frozen_parameters)
-    from zerodp.checkpoint.convert import parse_size
+    from zerodp.sizes import parse_size
 
     size = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
     write = convert_to_safetensors if safe_serialization else convert_to_torch

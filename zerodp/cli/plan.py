@@ -11,7 +11,7 @@ import json
 import sys
 from dataclasses import asdict
 
-EXIT_OK, EXIT_USAGE = 0, 2
+from zerodp.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 # flag -> (Cluster field, kind, help); kind "size": 80GB, "rate": 300GB (bytes/s), "float", "int"
 CLUSTER_FLAGS = {
@@ -36,7 +36,8 @@ CLUSTER_FLAGS = {
 }
 
 
-def add_parser(sub: argparse._SubParsersAction, func) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`zerodp plan`."""
     plan = sub.add_parser("plan", help="the ZeRO configs that fit a cluster, fastest first; the best as DeepSpeed JSON",
                           description="Simulates zerodp's engine at the cluster's world size for every strategy "
                           "(stage, offload, activation checkpointing) and finds the largest micro-batch that fits; "
@@ -56,13 +57,13 @@ def add_parser(sub: argparse._SubParsersAction, func) -> None:
     plan.add_argument("--top", type=int, default=10, help="candidates shown (default 10)")
     plan.add_argument("--output", default=None, metavar="PATH", help="write the best candidate as a DeepSpeed JSON config")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.set_defaults(func=func)
+    plan.set_defaults(func=cmd_plan)
 
 
 def cluster_from(args: argparse.Namespace, problems: list[str]) -> "Cluster | None":
     """The Cluster the flags describe; problems appended (naming the flag) instead of raising."""
-    from zerodp.checkpoint.convert import parse_size
     from zerodp.plan.cluster import gpu_cluster
+    from zerodp.sizes import parse_size
 
     overrides: dict = {}
     for flag, (name, kind, _) in CLUSTER_FLAGS.items():
@@ -92,32 +93,15 @@ def cluster_from(args: argparse.Namespace, problems: list[str]) -> "Cluster | No
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from zerodp.plan.estimate import ACTIVATION_CHECKPOINTING, workload
+    """Check every flag (all problems on one line, exit 2), plan, print the table or JSON and write
+    --output; exit 1 when nothing fits."""
     from zerodp.plan.planner import plan
 
     problems: list[str] = []
     cluster = cluster_from(args, problems)
-    work = None
-    try:
-        work = workload(args.model)
-    except ValueError as err:
-        problems.append(str(err))
-    from zerodp.cli import _count
-
-    seq_len, global_batch = (_count(getattr(args, k)) for k in ("seq_len", "global_batch"))
-    if seq_len is None:
-        problems.append(f"--seq-len {args.seq_len!r}: expected a whole number of tokens >= 1")
-    elif work is not None and work.max_seq_len is not None and seq_len > work.max_seq_len:
-        problems.append(f"--seq-len {seq_len}: {args.model} takes at most {work.max_seq_len} tokens")
-    if global_batch is None:
-        problems.append(f"--global-batch {args.global_batch!r}: expected a whole number of samples >= 1")
-    elif cluster is not None and global_batch % cluster.world_size:
-        problems.append(f"--global-batch {global_batch}: not a multiple of the {cluster.world_size} ranks "
-                        f"(--gpus-per-node {cluster.gpus_per_node} x --nodes {cluster.nodes})")
-    policies = tuple(dict.fromkeys(args.activation_checkpointing.split(",")))
-    if any(p not in ACTIVATION_CHECKPOINTING for p in policies):
-        problems.append(f"--activation-checkpointing {args.activation_checkpointing}: expected a comma-separated list "
-                        f"of {', '.join(ACTIVATION_CHECKPOINTING)}")
+    work = _workload(args, problems)
+    seq_len, global_batch = _batch(args, work, cluster, problems)
+    policies = _policies(args, problems)
     if problems:
         print("zerodp plan: " + "; ".join(problems), file=sys.stderr)
         return EXIT_USAGE
@@ -139,11 +123,49 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "simulations": result.simulations}, indent=1))
     else:
         _print_plan(args, result)
-    return EXIT_OK if best is not None else 1
+    return EXIT_OK if best is not None else EXIT_FAILED
+
+
+def _workload(args: argparse.Namespace, problems: list[str]) -> "Workload | None":
+    from zerodp.plan.workload import workload
+
+    try:
+        return workload(args.model)
+    except ValueError as err:
+        problems.append(str(err))
+        return None
+
+
+def _batch(args: argparse.Namespace, work: "Workload | None", cluster: "Cluster | None",
+           problems: list[str]) -> tuple[int | None, int | None]:
+    """--seq-len (at most the model's longest) and --global-batch (a multiple of the ranks)."""
+    from zerodp.sizes import parse_count
+
+    seq_len, global_batch = (parse_count(getattr(args, k)) for k in ("seq_len", "global_batch"))
+    if seq_len is None:
+        problems.append(f"--seq-len {args.seq_len!r}: expected a whole number of tokens >= 1")
+    elif work is not None and work.max_seq_len is not None and seq_len > work.max_seq_len:
+        problems.append(f"--seq-len {seq_len}: {args.model} takes at most {work.max_seq_len} tokens")
+    if global_batch is None:
+        problems.append(f"--global-batch {args.global_batch!r}: expected a whole number of samples >= 1")
+    elif cluster is not None and global_batch % cluster.world_size:
+        problems.append(f"--global-batch {global_batch}: not a multiple of the {cluster.world_size} ranks "
+                        f"(--gpus-per-node {cluster.gpus_per_node} x --nodes {cluster.nodes})")
+    return seq_len, global_batch
+
+
+def _policies(args: argparse.Namespace, problems: list[str]) -> tuple[str, ...]:
+    from zerodp.plan.estimate import ACTIVATION_CHECKPOINTING
+
+    policies = tuple(dict.fromkeys(args.activation_checkpointing.split(",")))
+    if any(p not in ACTIVATION_CHECKPOINTING for p in policies):
+        problems.append(f"--activation-checkpointing {args.activation_checkpointing}: expected a comma-separated list "
+                        f"of {', '.join(ACTIVATION_CHECKPOINTING)}")
+    return policies
 
 
 def _print_plan(args: argparse.Namespace, result: "Plan") -> None:
-    from zerodp.plan.estimate import decimal_size
+    from zerodp.sizes import decimal_size
 
     c = result.cluster
     print(f"plan: {args.model}, {c.nodes} node(s) x {c.gpus_per_node} {c.name} ({decimal_size(c.gpu_memory_bytes)} each, "

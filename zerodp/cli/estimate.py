@@ -1,0 +1,191 @@
+"""`zerodp estimate`: peak memory per rank for every ZeRO strategy, before a run (zerodp/plan/estimate.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from zerodp.cli.common import EXIT_OK, EXIT_USAGE
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`zerodp estimate`."""
+    estimate = sub.add_parser("estimate", help="peak memory per rank for every ZeRO strategy, before a run")
+    estimate.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                          help="demo (the demo's GPT), gpt:d_model=1024,n_layer=24,... (the demo's GPT at other sizes), "
+                               "a Hugging Face config file or model directory, or module:function returning an "
+                               "nn.Module; built on fake tensors (no weights), its training step simulated")
+    estimate.add_argument("--params", default=None, metavar="N",
+                          help="number of trainable parameters: 7.5e9, 7B, 350M, 125000000")
+    estimate.add_argument("--world-size", default="1", metavar="N", help="data-parallel ranks (default 1)")
+    estimate.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                          help="training precision (default bf16: 16-bit parameters and gradients, fp32 masters)")
+    estimate.add_argument("--micro-batch", default="1", metavar="B", help="micro-batch size per rank (default 1)")
+    estimate.add_argument("--seq-len", default=None, metavar="L",
+                          help="tokens per sample (default: the model's longest, at most 2048)")
+    estimate.add_argument("--activation-checkpointing", default="none", metavar="POLICIES",
+                          help="comma-separated: none, blocks (every repeated block), selective (blocks, keeping "
+                               "matmul and attention outputs), or all (default none)")
+    estimate.add_argument("--model-states-only", action="store_true",
+                          help="skip the simulated training step: model states only (seconds instead of minutes "
+                               "for a 70B model)")
+    estimate.add_argument("--largest-layer", default="0", metavar="N",
+                          help="parameters of the largest module, for DeepSpeed's stage-3 figure beside zerodp's")
+    estimate.add_argument("--json", action="store_true", help="print one JSON object per strategy and checkpointing policy")
+    estimate.set_defaults(func=cmd_estimate)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Check every flag (all problems on one line, exit 2), then estimate and print the table or JSON."""
+    problems: list[str] = []
+    work, module, numel = _model(args, problems)
+    world, largest, micro_batch = _counts(args, problems)
+    policies = _policies(args, problems)
+    seq_len = _seq_len(args, work, module, problems)
+    if problems:
+        print("zerodp estimate: " + "; ".join(problems), file=sys.stderr)
+        return EXIT_USAGE
+    estimated = _estimate(args, numel, world, largest, module, work, micro_batch, seq_len, policies)
+    if estimated is None:
+        return EXIT_USAGE
+    rows, seq_len = estimated
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return EXIT_OK
+    _print_estimate(args, rows, numel, world, micro_batch, seq_len)
+    return EXIT_OK
+
+
+def _model(args: argparse.Namespace, problems: list[str]) -> tuple[Any, Any, int | None]:
+    """The workload and its module on the meta device (MODEL), and the trainable parameters (either)."""
+    from zerodp.plan.workload import workload
+    from zerodp.sizes import parse_count
+
+    module, work = None, None
+    if args.params is None and args.model is None:
+        problems.append("give MODEL (demo, gpt:..., a Hugging Face config, module:function) or --params N")
+    elif args.params is not None and args.model is not None:
+        problems.append("give either MODEL or --params, not both")
+    elif args.model is not None:
+        try:
+            work = workload(args.model)
+            module = work.meta()
+        except ValueError as err:
+            problems.append(str(err))
+    numel = parse_count(args.params) if args.params is not None else None
+    if module is not None:
+        numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    if args.params is not None and numel is None:
+        problems.append(f"--params {args.params!r}: expected a number of parameters such as 7.5e9 or 7B")
+    return work, module, numel
+
+
+def _counts(args: argparse.Namespace, problems: list[str]) -> tuple[int | None, int | None, int | None]:
+    """--world-size, --largest-layer (0: not given) and --micro-batch."""
+    from zerodp.sizes import parse_count
+
+    world, largest = parse_count(args.world_size), parse_count(args.largest_layer) if args.largest_layer != "0" else 0
+    micro_batch = parse_count(args.micro_batch)
+    if world is None:
+        problems.append(f"--world-size {args.world_size}: expected a positive number of ranks")
+    if largest is None:
+        problems.append(f"--largest-layer {args.largest_layer}: expected a number of parameters")
+    if micro_batch is None:
+        problems.append(f"--micro-batch {args.micro_batch}: expected a positive number of samples")
+    return world, largest, micro_batch
+
+
+def _policies(args: argparse.Namespace, problems: list[str]) -> tuple[str, ...]:
+    """The activation checkpointing policies to estimate, from --activation-checkpointing."""
+    from zerodp.plan.estimate import ACTIVATION_CHECKPOINTING
+
+    policies = ACTIVATION_CHECKPOINTING if args.activation_checkpointing == "all" else \
+        tuple(dict.fromkeys(args.activation_checkpointing.split(",")))
+    if any(p not in ACTIVATION_CHECKPOINTING for p in policies):
+        problems.append(f"--activation-checkpointing {args.activation_checkpointing}: expected all or a comma-separated "
+                        f"list of {', '.join(ACTIVATION_CHECKPOINTING)}")
+    return policies
+
+
+def _seq_len(args: argparse.Namespace, work: Any, module: Any, problems: list[str]) -> int | None:
+    """Tokens per sample of the simulated step; None when no step is simulated (model states only)."""
+    from zerodp.sizes import parse_count
+
+    if work is not None and work.feeds(module) and not args.model_states_only:
+        seq_len = parse_count(args.seq_len) if args.seq_len is not None else min(work.max_seq_len or 2048, 2048)
+        if seq_len is None:
+            problems.append(f"--seq-len {args.seq_len}: expected a positive number of tokens")
+        elif work.max_seq_len is not None and seq_len > work.max_seq_len:
+            problems.append(f"--seq-len {seq_len}: {args.model} takes at most {work.max_seq_len} tokens")
+        return seq_len
+    if args.seq_len is not None or args.micro_batch != "1":
+        why = "--params gives model states only" if work is None else "--model-states-only skips the step" \
+            if args.model_states_only else f"{args.model} has no known input (a causal LM, or a module with " \
+            "estimate_inputs(micro_batch, seq_len))"
+        problems.append(f"--micro-batch/--seq-len: {why}")
+    return None
+
+
+def _estimate(args: argparse.Namespace, numel: int, world: int, largest: int, module: Any, work: Any,
+              micro_batch: int, seq_len: int | None, policies: tuple[str, ...]) -> tuple[list[dict], int | None] | None:
+    """The rows and the sequence length they were simulated at (None: model states only, also when the
+    simulation is unavailable here); None when the model's own forward refused the input (said on stderr)."""
+    from zerodp.plan.estimate import estimate_rows
+    from zerodp.plan.simulate import SimulationUnavailable
+
+    simulate = work if seq_len is not None else None
+    progress = (lambda line: print(f"zerodp estimate: {line}", file=sys.stderr, flush=True)) if simulate else None
+    try:
+        rows = estimate_rows(numel, world, args.dtype, largest, module, simulate, micro_batch, seq_len or 0, policies,
+                             progress)
+    except ValueError as err:  # the model's own forward refused the input (a user's module:function)
+        print(f"zerodp estimate: {err}", file=sys.stderr)
+        return None
+    except SimulationUnavailable as err:
+        print(f"zerodp estimate: no peak estimate ({err}); model states only", file=sys.stderr)
+        return estimate_rows(numel, world, args.dtype, largest, module), None
+    return rows, seq_len
+
+
+def _print_estimate(args: argparse.Namespace, rows: list[dict], numel: int, world: int, micro_batch: int,
+                    seq_len: int | None) -> None:
+    what = f"{args.model}: " if args.model else ""
+    top = max(max(r["model_states_bytes"], r["peak_bytes"] or 0) for r in rows)
+    unit, scale = ("GB", 1e9) if top >= 1e9 else ("MB", 1e6)
+    shape = f", micro-batch {micro_batch} x {seq_len} tokens" if seq_len else ""
+    print(f"memory per rank: {what}{numel:,} trainable parameters, Adam, {args.dtype}, {world} ranks{shape} "
+          f"({unit} = 10^{round(math.log10(scale))} bytes)")
+    peaks = seq_len is not None
+    width = max(len(r["strategy"]) for r in rows)
+    head = ["model states", "peak"] if peaks else ["device"]
+    head += ["host", "nvme", "DeepSpeed"]
+    policy_width = 10 if peaks else 0
+    print(f"  {'strategy':<{width}} " + (f"{'ckpt':<{policy_width}}" if peaks else "")
+          + " ".join(f"{h:>12}" for h in head))
+    for r in rows:
+        cells = [r["model_states_bytes"]] + ([r["peak_bytes"]] if peaks else []) + \
+            [r["host_bytes"], r["nvme_bytes"], r["deepspeed_bytes"]]
+        print(f"  {r['strategy']:<{width}} " + (f"{r['activation_checkpointing']:<{policy_width}}" if peaks else "")
+              + " ".join(f"{'-' if b is None else f'{b / scale:.2f}':>12}" for b in cells))
+    failed = sorted({r["peak_error"] for r in rows if r.get("peak_error")})
+    if failed:
+        print(f"peak not estimated ('-') where the simulated step failed: {'; '.join(failed)}")
+    _print_footnotes(peaks)
+
+
+def _print_footnotes(peaks: bool) -> None:
+    if peaks:
+        print("peak: the most bytes live at once on the device over two simulated training steps (zerodp's "
+              "own engine on fake tensors: model states, activations, gathered units, buckets, the step's gradient copy; "
+              "attention as a GPU's flash kernels run it; the allocator's fragmentation and the CUDA context come on top)")
+    else:
+        print("model states only (parameters, gradients, fp32 masters, Adam's state): give MODEL for the peak with "
+              "activations and transient buffers")
+    print("host, nvme: model states offloaded there. DeepSpeed: what its estimate_zero2/3_model_states_mem_needs_all_cold "
+          "print per GPU (converted from GiB), where it estimates; it adds the step's fp32 gradient copy (4 bytes per "
+          "parameter / ranks) and, at stage 3, 4 bytes per parameter of the largest layer (--largest-layer), which "
+          "zerodp counts as transients. Parameters offloaded to nvme stay in host memory up to offload_param.max_in_cpu "
+          "(1e9) elements per rank")
