@@ -13,7 +13,6 @@ training loop's bookkeeping and never branches on the ZeRO stage.
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Iterator, Protocol
 
@@ -22,17 +21,19 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from zerodp import checkpointing, comm
+from zerodp.accumulation import AccumulationClock
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ResumableDistributedSampler
+from zerodp.engine_accessors import EngineAccessors
 from zerodp.log import log_rank0, logger
 from zerodp.memory import DEVICE, Category
 from zerodp.offload.park import ParkedStorages
 from zerodp.optim import NoOptimizer
 from zerodp.precision import make_loss_scaler, overflow_message
-from zerodp.profiler import FlopsProfiler, device_peak_flops
-from zerodp.offload.diagnosis import OffloadProbes, diagnose, probe_offload
-from zerodp.timers import StepClock, ThroughputTimer, Timers
+from zerodp.step_reporter import StepReporter
+from zerodp.timers import ThroughputTimer, Timers
 from zerodp.zero.base import Strategy
+from zerodp.zero.shard_state import COUNTERS, ShardState
 
 
 _engine_backwards_running = 0
@@ -57,8 +58,13 @@ class _Unwatched:
 UNWATCHED = _Unwatched()
 
 
-class Engine(nn.Module):
-    """DeepSpeed's engine API over a zerodp Strategy. Build it with `zerodp.initialize`."""
+class Engine(EngineAccessors, nn.Module):
+    """DeepSpeed's engine API over a zerodp Strategy. Build it with `zerodp.initialize`.
+
+    The loop (forward / backward / step) runs around one AccumulationClock (`engine.accumulation`,
+    zerodp/accumulation.py), shared with the strategy; what it reports about each step is the
+    StepReporter's (`engine.reporter`, zerodp/step_reporter.py); DeepSpeed's accessors are a mixin
+    (zerodp/engine_accessors.py)."""
 
     def __init__(
         self,
@@ -81,41 +87,24 @@ class Engine(nn.Module):
         self.check_overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
         self.timers = Timers(synchronize=config.wall_clock_breakdown and strategy.device.type == "cuda")
         self.tput_timer = ThroughputTimer(config.train_batch_size)
-        self.clock = StepClock(strategy.device)  # engine.step_report(): [Note: the step breakdown]
-        self.last_step_report: dict[str, Any] | None = None
-        zero = config.zero_optimization
-        self._optimizer_on_host = _on_host(zero.offload_optimizer)
-        # [Note: the offload diagnosis]: fixed after start-up, so taken once
-        swapper = getattr(strategy, "swapper", None)
-        self._swap_layout = swapper.layout() if swapper is not None else None
-        self._host_elements = sum(p.numel() for group in self.optimizer.param_groups for p in group["params"]) \
-            if self._optimizer_on_host and self.optimizer is not None else 0
-        self.offload_probes = self._probe_offload() if _on_host(zero.offload_param) or self._optimizer_on_host else None
-        self._swap_marks = self._swap_counters()
-        self.flops_profiler = FlopsProfiler(module, config.flops_profiler, strategy.device)  # [Note: the flops profile]
-        self._peak_flops = device_peak_flops(strategy.device, strategy.policy.param_dtype)  # for the MFU
-        self.micro_steps = 0
+        self.reporter = StepReporter(module, config, strategy, self.timers)  # step_report(), last_metrics, flops
+        # which micro-batch is the boundary, no_sync, plain loss.backward() passes: [Note: the accumulation boundary]
+        self.accumulation = AccumulationClock(config.gradient_accumulation_steps,
+                                              config.managed_gradient_accumulation, comm.get_rank())
+        strategy.follow(self.accumulation)
         self._forwards = 0  # forward calls: a forward-only engine's flops profiler counts them
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
         self._step_applied = False
         self._global_grad_norm: float | None = None
-        self._boundary_override: bool | None = None
-        self._no_sync = False
-        self._in_step = False  # managed_gradient_accumulation=false: the boundary is step() itself
-        self._loss_sum: torch.Tensor | None = None  # this step's micro-batch losses, for the metrics
-        self._num_losses = 0
         self._param_storages = checkpointing.storage_keys(strategy.parameter_storages())  # not activations
         # count what autograd saves in each forward (memory_report()["activations"]); off for engines built
         # through `deepspeed.initialize` unless memory_breakdown asks ([Note: counting saved activations])
         self.count_activations = True
         self._saved_peak: dict[str, int] = {}  # saved-activation bytes, this step's largest micro-batch
         self.saved_activations_peak: dict[str, int] = {}  # ... of the last completed step
-        self.last_metrics: dict[str, Any] = {}
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
-        self._manual_scales = 0  # engine.scale(loss) calls since the last step, for loss.backward()
-        strategy.implicit_backward_boundary = lambda: self.is_gradient_accumulation_boundary() and not self._no_sync
         self.doctor: PhaseWatcher = UNWATCHED  # api.initialize installs the OOM doctor (watch_phases)
         _clear_strategy_grads_on_module_zero_grad(module, self)
 
@@ -140,106 +129,24 @@ class Engine(nn.Module):
                 raise AttributeError(f"neither the engine nor its module ({type(module).__name__}) has an "
                                      f"attribute '{name}'") from None
 
-    # --- DeepSpeed's accessors ----------------------------------------------------------------
+    # --- the accumulation boundary ([Note: the accumulation boundary]) -------------------------
 
     @property
-    def global_rank(self) -> int:
-        return comm.get_rank()
+    def micro_steps(self) -> int:
+        """step() calls so far (DeepSpeed's counter; saved in checkpoints)."""
+        return self.accumulation.micro_steps
 
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", "0"))
-
-    @property
-    def world_size(self) -> int:
-        return comm.get_world_size()
-
-    @property
-    def device(self) -> torch.device:
-        return self.strategy.device
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
-
-    def zero_optimization(self) -> bool:
-        """True when a ZeRO stage above 0 is on."""
-        return self.config.zero_optimization.stage > 0
-
-    @property
-    def dp_world_size(self) -> int:
-        """Data-parallel world size (all ranks: zerodp has no model parallelism)."""
-        return comm.get_world_size()
-
-    mp_world_size = 1  # no model parallelism
-
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
-
-    def dynamic_loss_scale(self) -> bool:
-        return self.loss_scaler.dynamic
-
-    def steps_per_print(self) -> int | None:
-        return self.config.steps_per_print
-
-    def wall_clock_breakdown(self) -> bool:
-        return self.config.wall_clock_breakdown
-
-    def optimizer_name(self) -> str:
-        return type(self.optimizer).__name__
-
-    def scheduler_name(self) -> str | None:
-        return type(self.lr_scheduler).__name__ if self.lr_scheduler is not None else None
-
-    def get_mom(self) -> list:
-        """Momentum of each param group: Adam's betas, or SGD's momentum."""
-        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
-
-    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
-        """The wrapped module's state dict (full parameters at stages 0-2)."""
-        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-
-    def get_lr(self) -> list[float]:
-        """Current learning rate of each optimizer param group."""
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        """Global gradient norm (unscaled, before clipping) of the last applied step."""
-        return self._global_grad_norm
-
-    def was_step_applied(self) -> bool:
-        """False when the last boundary step was skipped (inf/nan gradients)."""
-        return self._step_applied
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.accumulation.micro_steps = value
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True on the micro-batch whose backward completes an optimizer step."""
-        if self._boundary_override is not None:
-            return self._boundary_override
-        if not self.config.managed_gradient_accumulation:
-            return self._in_step
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        return self.accumulation.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Force the boundary on or off (None: back to counting micro-batches)."""
-        self._boundary_override = is_boundary
+        self.accumulation.force_boundary(is_boundary)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -248,11 +155,8 @@ class Engine(nn.Module):
         if self.strategy.reduces_every_micro_batch:
             raise RuntimeError(f"no_sync() is not possible at ZeRO stage {self.zero_optimization_stage()}: "
                                "it reduces gradients in every backward; use stage 0 or 1")
-        self._no_sync = True
-        try:
+        with self.accumulation.no_sync():
             yield
-        finally:
-            self._no_sync = False
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -263,10 +167,10 @@ class Engine(nn.Module):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
         # a forward-only engine has no steps to report (and its clock would keep every forward's marks)
-        timed = self.clock.phase("forward") if not self.forward_only else nullcontext()
+        timed = self.reporter.clock.phase("forward") if not self.forward_only else nullcontext()
         with timed, self.timers("fwd"), self._explained_errors(), self.doctor.watching("forward"), \
                 checkpointing.count_saved_activations(self._param_storages, self.count_activations) as saved, \
-                self.flops_profiler.forward(self._forwards if self.forward_only else self.global_steps,
+                self.reporter.flops_profiler.forward(self._forwards if self.forward_only else self.global_steps,
                                             backward=not self.forward_only):
             out = self.module(*args, **kwargs)
         self._forwards += 1
@@ -295,23 +199,21 @@ class Engine(nn.Module):
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
         self._check_resident("backward")
         self._check_trains("backward")
-        boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
+        boundary = self.accumulation.backward_boundary()
         gas = self.config.gradient_accumulation_steps
         scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
-        detached = loss.detach().float()
-        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
-        self._num_losses += 1
-        with self.clock.phase("backward"), self.timers("bwd"), self._explained_errors(), \
+        self.reporter.note_loss(loss)
+        with self.reporter.clock.phase("backward"), self.timers("bwd"), self._explained_errors(), \
                 self.doctor.watching("backward"):
             self.strategy.begin_backward(boundary)
             to_backward = scaled * self.loss_scaler.loss_scale if self.loss_scaler.loss_scale != 1.0 else scaled
             global _engine_backwards_running
             _engine_backwards_running += 1
             try:
-                with self.flops_profiler.backward():
+                with self.reporter.flops_profiler.backward():
                     to_backward.backward(retain_graph=retain_graph)
             except BaseException:
-                self.strategy.backward_open = False
+                self.strategy.abort_backward()
                 raise
             finally:
                 _engine_backwards_running -= 1
@@ -323,7 +225,7 @@ class Engine(nn.Module):
         (DeepSpeed's `engine.scale(loss).backward()`); bf16 and fp32 engines return `loss` itself."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
             raise ValueError(f"engine.scale expects a scalar loss tensor with a graph, got {_describe(loss)}")
-        self._manual_scales += 1
+        self.accumulation.count_scaled_loss()
         scale = self.loss_scaler.loss_scale
         return loss * scale if scale != 1.0 else loss
 
@@ -342,25 +244,21 @@ class Engine(nn.Module):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Call after every backward: at the accumulation boundary unscale, clip, run the optimizer and
         the scheduler, zero gradients; elsewhere only count the micro-batch."""
-        if self._no_sync:
+        if self.accumulation.in_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave no_sync before the boundary step")
         self._check_resident("step")
         self._check_trains("step")
-        self._in_step = True
-        try:
-            if self.is_gradient_accumulation_boundary():
-                self.flops_profiler.finish()  # a profiled forward whose backward was not engine.backward
-                with self.clock.phase("step"), self.timers("step"), self.doctor.watching("step"):
+        with self.accumulation.stepping():  # counts the micro-batch when the step completes
+            if self.accumulation.is_boundary():
+                self.reporter.flops_profiler.finish()  # a profiled forward whose backward was not engine.backward
+                with self.reporter.clock.phase("step"), self.timers("step"), self.doctor.watching("step"):
                     scale = self._take_model_step(lr_kwargs)
                 self.tput_timer.step_finished()
                 self._record_metrics(scale)
-        finally:
-            self._in_step = False
-        self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict | None) -> float:
         """The boundary's work; returns the loss scale the step ran with."""
-        if self.config.fp16.enabled and self.strategy.implicit_backwards > self._manual_scales:
+        if self.config.fp16.enabled and self.accumulation.unscaled_implicit_backwards():
             raise RuntimeError(
                 "loss.backward() was called on an fp16 engine without the loss scale: fp16 gradients need it to "
                 "stay finite, and the step divides them by it. Call engine.backward(loss), or "
@@ -385,80 +283,17 @@ class Engine(nn.Module):
         comm.end_step(self.comm_ledger)
         return scale
 
-    def _step_flops(self, wall: float) -> dict[str, float | None]:
-        """The step's FLOPs from the flops profile (None before it ran, or without its backward)."""
-        profile = self.flops_profiler.profile
-        if profile is None or profile["backward_flops"] is None or wall <= 0:
-            return {"flops": None, "flops_per_s": None, "mfu": None}
-        flops = profile["flops"] * self.config.gradient_accumulation_steps
-        return {"flops": flops, "flops_per_s": flops / wall,
-                "mfu": flops / wall / self._peak_flops if self._peak_flops else None}
-
-    def _probe_offload(self) -> OffloadProbes | None:
-        """The offload diagnosis's start-up probes; None without an optimizer (an engine that never
-        steps has no step report)."""
-        if self.optimizer is None:
-            return None
-        stores = self.strategy.swap_stores()
-        swap_bytes = {name: store.allocated_bytes for name, store in stores.items()}
-        if self._swap_layout is not None:  # the state appears at the first step: fp32 master and Adam's two moments
-            swap_bytes["optimizer"] = 12 * self._swap_layout["elements"]
-        return probe_offload(self.device, self.optimizer, self._optimizer_on_host, stores, swap_bytes, self.config.aio)
-
-    def _swap_counters(self) -> dict:
-        return {name: store.counters for name, store in self.strategy.swap_stores().items()}
-
-    def _offload_report(self, report: dict) -> dict:
-        """report["offload"] for the step just taken: [Note: the offload diagnosis]."""
-        now = self._swap_counters()
-        traffic = {name: (stats.read_bytes - self._swap_marks[name].read_bytes,
-                          stats.written_bytes - self._swap_marks[name].written_bytes) for name, stats in now.items()}
-        self._swap_marks = now
-        return diagnose(report, self.offload_probes, traffic, self._swap_layout, self._host_elements, self.config)
-
     def _record_metrics(self, scale: float) -> None:
-        report = self.clock.take(self._optimizer_on_host)
-        wall = report["seconds"]
-        self.last_step_report = {"step": self.global_steps, **report, **self._step_flops(wall)}
-        if self.offload_probes is not None:
-            self.last_step_report["offload"] = self._offload_report(self.last_step_report)
-        self.last_metrics = {
-            "step": self.global_steps,
-            "loss": float(self._loss_sum) / self._num_losses if self._num_losses else None,
-            "grad_norm": self._global_grad_norm if self._step_applied else None,
-            "lr": self.get_lr()[0],
-            "loss_scale": scale if self.config.fp16.enabled else None,
-            "step_time_s": wall,
-            "samples_per_s": self.config.train_batch_size / max(wall, 1e-9),
-        }
-        self._loss_sum, self._num_losses = None, 0
+        """After a boundary step: the reporter's step report and metrics; this step's activation peak."""
+        self.reporter.record(self.global_steps, scale, self._global_grad_norm if self._step_applied else None,
+                             self.get_lr()[0], self.memory_report)
         self.saved_activations_peak, self._saved_peak = self._saved_peak, {}
-        # Asking for a breakdown without steps_per_print gets it every step rather than never.
-        every = self.config.steps_per_print or (
-            1 if self.config.wall_clock_breakdown or self.config.memory_breakdown else None)
-        if every and self.global_steps % every == 0:
-            self._print_step()
-
-    def _print_step(self) -> None:
-        """The lines steps_per_print asks for, on rank 0: the step's metrics, then with
-        wall_clock_breakdown the time per phase, with memory_breakdown the memory ledger."""
-        from zerodp.metrics import format_breakdown, format_memory, format_step, format_times
-
-        log_rank0(format_step(self.last_metrics))
-        if self.config.wall_clock_breakdown:
-            times = self.timers.take()
-            if checkpointing.options.profile:
-                times["recompute"] = checkpointing.profile.take()["recompute_s"]
-            log_rank0(format_times(times))
-            log_rank0(format_breakdown(self.last_step_report))
-        if self.config.memory_breakdown:
-            log_rank0(format_memory(self.memory_report()))
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (the boundary step already does this; `engine.module.zero_grad()`
         does it too)."""
         self.strategy.zero_grad()
-        self.strategy.implicit_backwards = self._manual_scales = 0
+        self.accumulation.restart()
 
     # --- data and reports ---------------------------------------------------------------------
 
@@ -479,6 +314,22 @@ class Engine(nn.Module):
             pin_memory=pin_memory and self.device.type == "cuda", drop_last=self.config.dataloader_drop_last,
         )
 
+    def shard_state(self) -> ShardState:
+        """What a checkpoint saves and loads for this rank: the strategy's pieces, the optimizer,
+        scaler, schedule, sampler and counters (zerodp/zero/shard_state.py)."""
+        loader = self.training_dataloader
+        return ShardState(strategy=self.strategy, module=self.module, optimizer=self.optimizer,
+                          loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler,
+                          sampler=getattr(loader, "sampler", None),  # a loader of the user's may have none
+                          stage=self.zero_optimization_stage(), precision=self.config.precision,
+                          checkpoint_config=self.config.checkpoint,
+                          counters={name: getattr(self, name) for name in COUNTERS},
+                          restore_counters=self._restore_counters)
+
+    def _restore_counters(self, counters: dict[str, int]) -> None:
+        for name, value in counters.items():
+            setattr(self, name, value)
+
     @comm.records_to_own_ledger
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
@@ -487,7 +338,7 @@ class Engine(nn.Module):
         from zerodp.checkpoint import save_checkpoint
 
         self._check_resident("save_checkpoint")
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        return save_checkpoint(self.shard_state(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     @comm.records_to_own_ledger
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
@@ -498,7 +349,7 @@ class Engine(nn.Module):
         from zerodp.checkpoint import load_checkpoint
 
         self._check_resident("load_checkpoint")
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+        return load_checkpoint(self.shard_state(), load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
     # --- freeing the device between phases (RLHF) ---------------------------------------------
@@ -544,9 +395,6 @@ class Engine(nn.Module):
             with torch.no_grad(), engine.generation():
                 out = engine.module.generate(prompt, max_new_tokens=64)
         """
-        if not hasattr(self.strategy, "generation"):
-            yield
-            return
         budget = self.config.zero_optimization.stage3_max_live_parameters if max_live_parameters is None \
             else max_live_parameters
         if budget < 0:
@@ -573,10 +421,6 @@ class Engine(nn.Module):
     def _frozen_names(self) -> set[str]:
         """State-dict names of the module's frozen parameters (tied aliases included)."""
         return {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """The config's `stage3_gather_16bit_weights_on_model_save` (DeepSpeed's accessor)."""
-        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
     @comm.records_to_own_ledger
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
@@ -628,34 +472,6 @@ class Engine(nn.Module):
         interpreter exit, normal or by an exception; DeepSpeed's name)."""
         self.strategy.close()
 
-    def step_report(self) -> dict | None:
-        """Where the last optimizer step's seconds went, on this rank (None before the first step):
-        `seconds` (the step, from the end of the previous one), `forward` and `backward` (their
-        compute: the phase minus what it waited on), `communication_exposed` (waiting on
-        collectives) and `communication_overlapped` (collectives in flight while the host computed:
-        an upper bound), `optimizer` (the boundary step's own work, on the device or, offloaded, on
-        the host: `optimizer_on`), `offload_transfers` (host-device copies), `nvme_wait` (waiting on
-        the disk), `input` (outside the engine's calls: the data loader and the user's code), and
-        `verdict`: "compute-bound", "communication-bound", "offload-bound" or "input-bound", the
-        largest of `parts_seconds` (compute: forward + backward + a device optimizer; offload: its
-        transfers, disk waits and a host optimizer), with its `share` of the step and the
-        `overlap_ratio` (overlapped / all communication). `clock`: "host" (the host's clock) or, on
-        CUDA, "cuda-events" (events on the stream that runs the work: the device's time):
-        zerodp/timers.py's [Note: the step breakdown]. With `flops_profiler.enabled`, from the profiled step on, `flops`
-        (the profiled micro-batch's forward + backward FLOPs x the accumulation steps), `flops_per_s`
-        (per `seconds`) and, in bf16 / fp16 on a GPU zerodp.gpus.GPUS names, `mfu` (the model
-        FLOPs utilisation: flops_per_s / the device's dense 16-bit peak); None otherwise. With offload,
-        `offload`: the step's copies, disk bytes and CPU step against bandwidths probed at start-up,
-        and `advice` (zerodp/offload/diagnosis.py's [Note: the offload diagnosis])."""
-        return dict(self.last_step_report) if self.last_step_report is not None else None
-
-    @property
-    def flops_profile(self) -> dict | None:
-        """The flops profiler's result (`flops_profiler.enabled`; None until its micro-batch ran):
-        FLOPs and seconds of the forward and the backward, and per module (`modules`) its parameters,
-        forward FLOPs and forward latency. zerodp/profiler.py's [Note: the flops profile]."""
-        return self.flops_profiler.profile
-
     def memory_report(self) -> dict:
         """Bytes this rank holds, by category and tier ("device", "cpu" when offloaded, "nvme"; see
         zerodp.memory), plus transient peaks, plus `activations`: what autograd saved for backward
@@ -665,18 +481,6 @@ class Engine(nn.Module):
         activations = {("device" if tier == device else tier): b for tier, b in self.saved_activations_peak.items()}
         return {**self.strategy.ledger().report(), "activations": activations}
 
-    def swap_report(self) -> dict:
-        """NVMe offload, per swap store ("optimizer", "parameters"): bytes read and written since
-        start-up, the seconds with reads / writes in flight, and the MB/s achieved while in flight.
-        Compare with the disk's own bandwidth (docs/offload.md); {} without NVMe offload."""
-        report = {}
-        for name, store in self.strategy.swap_stores().items():
-            stats = store.counters
-            report[name] = {"read_bytes": stats.read_bytes, "written_bytes": stats.written_bytes,
-                            "read_seconds": stats.read_seconds, "write_seconds": stats.write_seconds,
-                            "read_MBps": stats.read_MBps, "write_MBps": stats.write_MBps}
-        return report
-
     def comm_report(self) -> dict:
         """This engine's collectives (not those of another engine in the process) per op and dtype, in
         elements and bytes: of its last optimizer step, of its start-up, and one-off work between steps
@@ -684,12 +488,6 @@ class Engine(nn.Module):
         ledger = self.comm_ledger
         return {"last_step": comm.comm_report(ledger.last_step), "init": comm.comm_report(ledger.init),
                 "one_off": comm.comm_report(ledger.one_off)}
-
-
-def _on_host(section: Any) -> bool:
-    """Whether an offload section (offload_optimizer / offload_param) puts its tensors on the host
-    (device cpu, or nvme: swapped through host memory)."""
-    return section is not None and section.device in ("cpu", "nvme")
 
 
 def _clear_strategy_grads_on_module_zero_grad(module: nn.Module, engine: Engine) -> None:

@@ -22,13 +22,14 @@ from zerodp.checkpoint import deepspeed
 from zerodp.checkpoint.format import (ENGINE, LATEST, CheckpointError, check_tag, complete_tags, copy_from_mapped,
                                       newest_everywhere, on_every_rank, read_meta, rng_file, verified_load)
 from zerodp.log import log_rank0, logger
+from zerodp.zero.shard_state import ShardState
 
 
-def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+def load_checkpoint(shard: ShardState, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str | None, dict | None]:
-    """Load `load_dir/tag` (default: the tag in `load_dir/latest`) into `engine` on every rank; a
-    zerodp or a DeepSpeed ZeRO checkpoint. Returns (checkpoint path, client_state), or (None, None)
+    """Load `load_dir/tag` (default: the tag in `load_dir/latest`) into this rank's `shard`
+    (engine.shard_state()), on every rank; a zerodp or a DeepSpeed ZeRO checkpoint. Returns (checkpoint path, client_state), or (None, None)
     when there is nothing to load."""
     with_optimizer = load_optimizer_states and not load_module_only
     with comm.ledger.outside_step():
@@ -37,20 +38,20 @@ def load_checkpoint(engine: Any, load_dir: str, tag: str | None = None, load_mod
             tag_dir = _same_tag_on_every_rank(Path(load_dir), tag_dir)
         if tag_dir is None:
             return None, None
-        meta, state, rng, read = on_every_rank(lambda: _read_engine_state(engine, tag_dir, load_module_strict))
-        if with_optimizer and meta["optimizer"] not in (None, type(engine.optimizer).__name__):
+        meta, state, rng, read = on_every_rank(lambda: _read_engine_state(shard, tag_dir, load_module_strict))
+        if with_optimizer and meta["optimizer"] not in (None, type(shard.optimizer).__name__):
             raise CheckpointError(f"{tag_dir} holds {meta['optimizer']} state but the engine's optimizer is "
-                                  f"{type(engine.optimizer).__name__}; pass load_optimizer_states=False")
-        if with_optimizer and len(state["optimizer_groups"]) != len(engine.optimizer.param_groups):
+                                  f"{type(shard.optimizer).__name__}; pass load_optimizer_states=False")
+        if with_optimizer and len(state["optimizer_groups"]) != len(shard.optimizer.param_groups):
             raise CheckpointError(f"{tag_dir} holds {len(state['optimizer_groups'])} optimizer param groups but the "
-                                  f"engine's optimizer has {len(engine.optimizer.param_groups)}; build the groups as "
+                                  f"engine's optimizer has {len(shard.optimizer.param_groups)}; build the groups as "
                                   "the saving run did, or pass load_optimizer_states=False")
         keys = state["optimizer_state_keys"] if with_optimizer else None
         if with_optimizer:
-            _create_scalar_state(engine.optimizer, state["optimizer_scalars"])
-        on_every_rank(lambda: _fill_pieces(engine, tag_dir, meta, read, keys))
-        engine.strategy.after_load()
-        _load_rest(engine, state, rng, load_module_only, with_optimizer, load_lr_scheduler_states)
+            _create_scalar_state(shard.optimizer, state["optimizer_scalars"])
+        on_every_rank(lambda: _fill_pieces(shard, tag_dir, meta, read, keys))
+        shard.after_load()
+        _load_rest(shard, state, rng, load_module_only, with_optimizer, load_lr_scheduler_states)
     log_rank0("loaded %scheckpoint %s (saved at stage %d by %d ranks)",
               "DeepSpeed " if deepspeed.is_tag_dir(tag_dir) else "", tag_dir, meta["stage"], meta["world_size"])
     return str(tag_dir), state["client_state"]
@@ -94,7 +95,7 @@ def _same_tag_on_every_rank(root: Path, tag_dir: Path | None) -> Path | None:
 Read = Callable[[str], list]  # a rank file's name -> its saved pieces
 
 
-def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, dict, dict | None, Read]:
+def _read_engine_state(shard: ShardState, tag_dir: Path, strict: bool) -> tuple[dict, dict, dict | None, Read]:
     """meta.json checked against the model, engine.pt, this rank's RNG state (None if it has none),
     and how to read a rank file's pieces. From a DeepSpeed checkpoint: the same, read from its files
     (its meta has optimizer None; it saves no RNG state)."""
@@ -106,13 +107,13 @@ def _read_engine_state(engine: Any, tag_dir: Path, strict: bool) -> tuple[dict, 
         checked: set[str] = set()  # files whose sha256 was verified
         state, rng = verified_load(tag_dir, ENGINE, meta), _read_rng(tag_dir, meta)
         read = lambda name: verified_load(tag_dir, name, meta, mmap=True, checked=checked)["pieces"]  # noqa: E731
-    _check_model(engine, tag_dir, meta, strict)
+    _check_model(shard, tag_dir, meta, strict)
     return meta, state, rng, read
 
 
-def _check_model(engine: Any, tag_dir: Path, meta: dict, strict: bool) -> None:
-    shapes = {n: list(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}  # stage 3: full
-    names = _trainable_names(engine)
+def _check_model(shard: ShardState, tag_dir: Path, meta: dict, strict: bool) -> None:
+    shapes = {n: list(getattr(p, "ds_shape", p.shape)) for n, p in shard.module.named_parameters()}  # stage 3: full
+    names = set(shard.trainable_numels())
     trainable = sorted(names)  # sorted: the same message on every rank and in every run
     saved = {n: info["shape"] for n, info in meta["params"].items()}
     wrong = [f"{n} (saved {saved[n]}, model {shapes[n]})" for n in trainable if n in saved and saved[n] != shapes[n]]
@@ -122,10 +123,6 @@ def _check_model(engine: Any, tag_dir: Path, meta: dict, strict: bool) -> None:
         raise CheckpointError(f"{tag_dir} does not match this model: " + "; ".join(filter(None, [
             f"size differs for {wrong}" if wrong else "", f"missing {missing}" if missing else "",
             f"unexpected {unexpected}" if unexpected else ""])) + " (load_module_strict=False skips missing/unexpected)")
-
-
-def _trainable_names(engine: Any) -> set[str]:
-    return {name for r in range(comm.get_world_size()) for name, _, _ in engine.strategy.piece_index(r)}
 
 
 def _create_scalar_state(optimizer: torch.optim.Optimizer, scalars: list[dict]) -> None:
@@ -147,16 +144,16 @@ def _create_scalar_state(optimizer: torch.optim.Optimizer, scalars: list[dict]) 
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _fill_pieces(engine: Any, tag_dir: Path, meta: dict, read: Read, keys: list[str] | None) -> None:
+def _fill_pieces(shard: ShardState, tag_dir: Path, meta: dict, read: Read, keys: list[str] | None) -> None:
     """Batch by batch (`Strategy.resident_pieces`): create the batch's element-wise optimizer state
     (`keys`; None: the optimizer state is not loaded), then copy in every saved range that overlaps
     its pieces, reading only the saved files that hold such ranges."""
     short = []
-    for tensors, make_pieces in engine.strategy.resident_pieces(saving=False):
+    for tensors, make_pieces in shard.resident_pieces(saving=False):
         if keys:
-            dtype = engine.strategy.policy.optim_state_dtype  # bf16 masters may keep fp32 state
+            dtype = shard.optim_state_dtype  # bf16 masters may keep fp32 state
             for t in tensors:
-                engine.optimizer.state[t].update({k: torch.zeros_like(t, dtype=dtype) for k in keys})
+                shard.optimizer.state[t].update({k: torch.zeros_like(t, dtype=dtype) for k in keys})
         pieces = make_pieces()
         wanted: dict[str, list] = {}
         for piece in pieces:
@@ -195,27 +192,24 @@ def _copy_overlap(saved: dict, piece: Any, with_optimizer: bool) -> int:
     return hi - lo
 
 
-def _load_rest(engine: Any, state: dict, rng: dict | None, module_only: bool, with_optimizer: bool,
+def _load_rest(shard: ShardState, state: dict, rng: dict | None, module_only: bool, with_optimizer: bool,
                with_scheduler: bool) -> None:
     """Buffers and frozen parameters; then, unless module_only, counters, scaler, scheduler, the
     data loader's position, RNG."""
-    engine.strategy.load_full_state(state["module_extra"])
+    shard.load_full_state(state["module_extra"])
     if module_only:
         return
-    engine.strategy.load_layout_state(state.get("strategy_layout"))
-    for key, value in state["counters"].items():
-        setattr(engine, key, value)
-    engine.loss_scaler.load_state_dict(state["loss_scaler"])
-    for group, saved in zip(engine.optimizer.param_groups, state["optimizer_groups"]):
+    shard.load_layout_state(state.get("strategy_layout"))
+    shard.restore_counters(state["counters"])
+    shard.loss_scaler.load_state_dict(state["loss_scaler"])
+    for group, saved in zip(shard.optimizer.param_groups, state["optimizer_groups"]):
         if with_optimizer:  # hyperparameters; how the optimizer runs (fused, foreach...) stays this run's
             group.update({k: v for k, v in saved.items() if k not in _IMPLEMENTATION_FLAGS})
         elif with_scheduler:  # the scheduler continues from the saved lr, not from the fresh one
             group.update({k: v for k, v in saved.items() if k in ("lr", "initial_lr")})
-    if with_scheduler and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    sampler = getattr(engine.training_dataloader, "sampler", None)
-    if state.get("dataloader") is not None and hasattr(sampler, "load_state_dict"):
-        sampler.load_state_dict(state["dataloader"])
+    if with_scheduler and shard.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        shard.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    shard.load_sampler_state(state.get("dataloader"))
     if rng is not None:
         _restore_rng(rng)
 

@@ -37,30 +37,31 @@ from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, META, CheckpointEr
                                       replace_latest, rng_file, sha256, torch_save_synced)
 from zerodp.log import log_rank0, logger
 from zerodp.zero.base import elementwise_state
+from zerodp.zero.shard_state import COUNTERS, ShardState
 from zerodp.zero.topology import NodeLayout, node_layout
 
 
-def save_checkpoint(engine: Any, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+def save_checkpoint(shard: ShardState, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-    """Save a sharded checkpoint of `engine` into `save_dir/tag` (every rank must call it).
-    Returns True. See docs/checkpoints.md for the layout."""
-    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    """Save a sharded checkpoint of this rank's `shard` (engine.shard_state()) into `save_dir/tag`
+    (every rank must call it). Returns True. See docs/checkpoints.md for the layout."""
+    tag = check_tag(tag if tag is not None else f"global_step{shard.counters['global_steps']}")
     root = Path(save_dir)
     rank, world = comm.get_rank(), comm.get_world_size()
     with comm.ledger.outside_step():
         _all_ranks_called("save_checkpoint")
-        _check_tag_on_all_ranks(tag, engine.config.checkpoint.tag_validation)
-        storage = _storage(root, engine.config.checkpoint.use_node_local_storage)
+        _check_tag_on_all_ranks(tag, shard.checkpoint_config.tag_validation)
+        storage = _storage(root, shard.checkpoint_config.use_node_local_storage)
         leads = rank in storage.leaders  # does rank 0's part for its directory
         tmp = root / f"{tag}.tmp"
         on_every_rank(lambda: _make_empty(tmp, storage) if leads else storage.clean_up_probe())  # a barrier
         try:
-            extra = _module_extra(engine, exclude_frozen_parameters)  # stage 3 gathers: every rank
-            extra_optimizer = _optimizer_state_of_all_ranks(engine.optimizer)  # a collective
-            files = on_every_rank(lambda: _write_files(engine, tmp, rank, world, leads, client_state or {},
+            extra = _module_extra(shard, exclude_frozen_parameters)  # stage 3 gathers: every rank
+            extra_optimizer = _optimizer_state_of_all_ranks(shard.optimizer)  # a collective
+            files = on_every_rank(lambda: _write_files(shard, tmp, rank, world, leads, client_state or {},
                                                        {**extra_optimizer, "module_extra": extra}))
             digests = _gather_digests(tmp, files, world)
-            on_every_rank(lambda: _publish(engine, root, tag, tmp, digests, storage) if leads else None)
+            on_every_rank(lambda: _publish(shard, root, tag, tmp, digests, storage) if leads else None)
             if save_latest:  # only once every directory holds TAG: see [Note: node-local storage]
                 on_every_rank(lambda: replace_latest(root, tag) if leads else None)
         except BaseException:
@@ -167,23 +168,22 @@ def _check_tag_on_all_ranks(tag: str, policy: str) -> None:
     logger.warning(message)
 
 
-def _write_files(engine: Any, tmp: Path, rank: int, world: int, leads: bool, client_state: dict,
+def _write_files(shard: ShardState, tmp: Path, rank: int, world: int, leads: bool, client_state: dict,
                  extra: dict) -> list[tuple[str, int]]:
     """This rank's shard files and RNG file; a leader (rank 0, or each host's first rank when
     node-local) also engine.pt. Returns (name, pieces in it)."""
-    files = _write_rank_files(engine, tmp, rank, world)
+    files = _write_rank_files(shard, tmp, rank, world)
     if leads:
-        torch_save_synced(_engine_state(engine, client_state, extra), tmp / ENGINE)
+        torch_save_synced(_engine_state(shard, client_state, extra), tmp / ENGINE)
         files.append((ENGINE, 0))
     return files
 
 
-def _write_rank_files(engine: Any, tmp: Path, rank: int, world: int) -> list[tuple[str, int]]:
+def _write_rank_files(shard: ShardState, tmp: Path, rank: int, world: int) -> list[tuple[str, int]]:
     """One file per batch of `resident_pieces` (one, or one per NVMe swap chunk), then the RNG file."""
-    strategy = engine.strategy
-    parts = strategy.num_piece_batches()
+    parts = shard.num_piece_batches()
     files = []
-    for k, (_, make_pieces) in enumerate(strategy.resident_pieces(saving=True)):
+    for k, (_, make_pieces) in enumerate(shard.resident_pieces(saving=True)):
         pieces = make_pieces()
         name = rank_file(rank, world, k if parts > 1 else None)
         data = [{"name": p.name, "offset": p.offset, "numel": p.numel,
@@ -210,13 +210,13 @@ def _rng_state() -> dict:
     return state
 
 
-def _module_extra(engine: Any, exclude_frozen: bool) -> dict:
+def _module_extra(shard: ShardState, exclude_frozen: bool) -> dict:
     """Buffers and frozen parameters by state-dict name (trainable ones are in the rank files)."""
-    names = _trainable_numels(engine.strategy)
-    trainable = {id(p) for n, p in engine.module.named_parameters() if n in names}
-    skip = {n for n, p in engine.module.named_parameters(remove_duplicate=False)
+    names = shard.trainable_numels()
+    trainable = {id(p) for n, p in shard.module.named_parameters() if n in names}
+    skip = {n for n, p in shard.module.named_parameters(remove_duplicate=False)
             if id(p) in trainable or (exclude_frozen and not p.requires_grad)}
-    extra = engine.strategy.gathered_state_dict(keep=lambda n: n not in skip)
+    extra = shard.gathered_state_dict(keep=lambda n: n not in skip)
     return {n: t.detach().cpu() for n, t in extra.items()}
 
 
@@ -245,26 +245,20 @@ def _from_json_scalar(value: Any) -> Any:
     return value
 
 
-def _engine_state(engine: Any, client_state: dict, extra: dict) -> dict:
-    optimizer = engine.optimizer
+def _engine_state(shard: ShardState, client_state: dict, extra: dict) -> dict:
+    """engine.pt's contents: counters, scaler, scheduler, optimizer groups, sampler, layout."""
+    optimizer = shard.optimizer
     return {
         "format_version": FORMAT_VERSION,
-        "counters": {k: getattr(engine, k) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
-        "loss_scaler": engine.loss_scaler.state_dict(),
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "counters": {k: shard.counters[k] for k in COUNTERS},
+        "loss_scaler": shard.loss_scaler.state_dict(),
+        "lr_scheduler": shard.lr_scheduler.state_dict() if shard.lr_scheduler is not None else None,
         "optimizer_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         **extra,  # optimizer_scalars, optimizer_state_keys (all ranks'); module_extra: buffers and frozen params
         "client_state": client_state,
-        "dataloader": _sampler_state(engine),
-        "strategy_layout": engine.strategy.layout_state(),
+        "dataloader": shard.sampler_state(),  # the position of initialize(training_data=...)'s loader
+        "strategy_layout": shard.layout_state(),
     }
-
-
-def _sampler_state(engine: Any) -> dict | None:
-    """The position of the loader `initialize(training_data=...)` built (same on every rank)."""
-    loader = engine.training_dataloader
-    sampler = getattr(loader, "sampler", None)
-    return sampler.state_dict() if hasattr(sampler, "state_dict") else None
 
 
 def _scalar_state(optimizer: torch.optim.Optimizer, group: dict) -> dict:
@@ -308,11 +302,11 @@ def _digest_row(tmp: Path, own: list[tuple[str, int]]) -> list[int]:
     return row
 
 
-def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, storage: Storage) -> None:
+def _publish(shard: ShardState, root: Path, tag: str, tmp: Path, digests: dict, storage: Storage) -> None:
     """A leader: meta.json, then the rename that makes the checkpoint visible (see [Note: crash safety])."""
-    strategy, world = engine.strategy, comm.get_world_size()
+    world = comm.get_world_size()
     for r in range(world):
-        index = strategy.piece_index(r)  # in file order: each part holds the next num_pieces of it
+        index = shard.piece_index(r)  # in file order: each part holds the next num_pieces of it
         for name in sorted((n for n in digests if n.startswith(f"rank_{r}_of_")), key=rank_file_order):
             count = digests[name].pop("num_pieces")
             digests[name]["pieces"], index = index[:count], index[count:]
@@ -321,12 +315,12 @@ def _publish(engine: Any, root: Path, tag: str, tmp: Path, digests: dict, storag
     for name in digests:
         digests[name].pop("num_pieces", None)
     meta = {
-        "format_version": FORMAT_VERSION, "tag": tag, "stage": engine.zero_optimization_stage(),
-        "world_size": world, "precision": engine.config.precision, "optimizer": type(engine.optimizer).__name__,
-        "params": _trainable_shapes(engine),
-        "tied": tied_names(engine.module),
+        "format_version": FORMAT_VERSION, "tag": tag, "stage": shard.stage,
+        "world_size": world, "precision": shard.precision, "optimizer": type(shard.optimizer).__name__,
+        "params": _trainable_shapes(shard),
+        "tied": tied_names(shard.module),
         "files": digests,
-        "global_steps": engine.global_steps,
+        "global_steps": shard.counters["global_steps"],
     }
     if storage.node_local:
         meta["nodes"] = [{"host": name, "ranks": list(ranks), "files": [ENGINE, *sorted(
@@ -358,17 +352,9 @@ def tied_names(module: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
-def _trainable_shapes(engine: Any) -> dict[str, dict]:
+def _trainable_shapes(shard: ShardState) -> dict[str, dict]:
     """{name: {"shape", "dtype"}} of every trainable parameter (the working dtype; pieces are fp32)."""
-    named = dict(engine.module.named_parameters())
-    names = _trainable_numels(engine.strategy)
+    named = dict(shard.module.named_parameters())
+    names = shard.trainable_numels()
     return {n: {"shape": list(getattr(named[n], "ds_shape", named[n].shape)), "dtype": str(named[n].dtype).removeprefix("torch.")} for n in names}
 
-
-def _trainable_numels(strategy: Any) -> dict[str, int]:
-    """Every trainable parameter's name and numel, from every rank's piece index."""
-    totals: dict[str, int] = {}
-    for r in range(comm.get_world_size()):
-        for name, _, numel in strategy.piece_index(r):
-            totals[name] = totals.get(name, 0) + numel
-    return totals

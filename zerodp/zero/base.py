@@ -17,21 +17,35 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import enum
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
 
 from zerodp import comm
+from zerodp.accumulation import AccumulationClock
 from zerodp.memory import MemoryLedger
 from zerodp.offload.cpu import Home
 from zerodp.precision import DtypePolicy
 
+if TYPE_CHECKING:
+    from zerodp.offload.swap import OptimizerSwapper
+
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 """Builds the optimizer over the param groups a strategy hands it (its own tensors, the
 user's hyperparameters)."""
+
+
+class BackwardPass(enum.Enum):
+    """Which backward pass, if any, this strategy is inside ([Note: backward pass states])."""
+
+    IDLE = "idle"  # no pass open: before_backward has not run since the last after_backward
+    EXPLICIT = "explicit"  # engine.backward opened it and closes it
+    IMPLICIT = "implicit"  # a gradient hook of a plain loss.backward() opened it; autograd's final callback closes it
+    CLOSING = "closing"  # after_backward running: hooks it triggers open no pass
 
 
 @dataclass
@@ -55,6 +69,9 @@ class Strategy(abc.ABC):
     optimizer: torch.optim.Optimizer
     reduces_every_micro_batch = False
     """True when gradients are reduced in every backward (stage 2): `no_sync` cannot apply."""
+    swapper: OptimizerSwapper | None = None
+    """NVMe offload of the optimizer: the swapper moving its chunks (its `layout()` feeds the offload
+    diagnosis); None without."""
 
     def __init__(self, config, policy: DtypePolicy, device: torch.device,
                  comm_ledger: comm.CommLedger | None = None) -> None:
@@ -67,43 +84,76 @@ class Strategy(abc.ABC):
         zero = config.zero_optimization
         self.home = Home.for_section(device, zero.offload_optimizer)  # masters, optimizer state, grad shards
         self.param_home = Home.for_section(device, zero.offload_param)  # stage-3 parameter shards
-        self.backward_open = False  # between before_backward and after_backward of one backward pass
-        self.implicit_backwards = 0  # backward passes opened by a hook since the last zero_grad
-        self.implicit_backward_boundary: Callable[[], bool] = lambda: True  # the engine replaces it
+        self.backward_pass = BackwardPass.IDLE  # [Note: backward pass states]
+        self.accumulation = AccumulationClock()  # the engine's, once it hands it over (follow)
 
     # [Note: backward passes the engine did not start]
     # A backward can reach this strategy's hooks without engine.backward(): the user's own
     # `loss.backward()` followed by `engine.step()` (DeepSpeed supports it), or another engine's loss
     # running through this model (a GAN's generator loss through the discriminator). The first hook
-    # of such a pass opens it as engine.backward would (before_backward with the engine's current
-    # boundary) and queues after_backward to run when autograd finishes the pass, so buckets restart
-    # and gradients accumulate instead of tripping over the last pass's state. Ranks run the same
-    # passes, so any collective the pass launches is paired. (The engine's forward divides such a pass
-    # by the accumulation steps; an fp16 engine refuses to step on it without engine.scale(loss).)
-    # Not covered: a direct loss.backward() whose first hook fires inside a reentrant checkpoint's
-    # inner backward would close the pass when that inner backward ends.
+    # of such a pass opens it as engine.backward would (before_backward with the boundary the
+    # engine's AccumulationClock gives) and queues after_backward to run when autograd finishes the
+    # pass, so buckets restart and gradients accumulate instead of tripping over the last pass's
+    # state. Ranks run the same passes, so any collective the pass launches is paired. (The engine's
+    # forward divides such a pass by the accumulation steps; an fp16 engine refuses to step on it
+    # without engine.scale(loss).) Not covered: a direct loss.backward() whose first hook fires inside
+    # a reentrant checkpoint's inner backward would close the pass when that inner backward ends.
+    #
+    # [Note: backward pass states]
+    #     IDLE --begin_backward (engine.backward)--> EXPLICIT --abort_backward (autograd raised)--> IDLE
+    #     IDLE --entering_backward_hook (a hook)---> IMPLICIT
+    #     EXPLICIT | IMPLICIT --end_backward (engine.backward / autograd's final callback)--> CLOSING
+    #     CLOSING --after_backward returned or raised--> IDLE
+    #     IMPLICIT --begin_backward--> EXPLICIT: a plain loss.backward() that raised never ran its queued
+    #         callback (autograd drops a failed pass's callbacks), so the engine's next pass replaces it.
+    # A hook while a pass is open or closing changes nothing; before_backward raising leaves IDLE (no
+    # pass opened). Any other move raises AssertionError naming the rank and both states.
+
+    def follow(self, clock: AccumulationClock) -> None:
+        """Take the engine's accumulation clock: passes the engine did not start ask it for their
+        boundary and are counted on it."""
+        self.accumulation = clock
 
     def begin_backward(self, boundary: bool) -> None:
-        """Open a backward pass (engine.backward, or the first hook of a pass it did not start)."""
-        self.backward_open = True
-        self.before_backward(boundary)
+        """Open a backward pass for engine.backward (IDLE or an abandoned IMPLICIT -> EXPLICIT)."""
+        self._open_pass((BackwardPass.IDLE, BackwardPass.IMPLICIT), BackwardPass.EXPLICIT, boundary)
 
     @comm.records_to_own_ledger  # also run as autograd's callback at the end of a pass the engine did not start
     def end_backward(self, boundary: bool) -> None:
-        """Close the open backward pass."""
+        """Close the open backward pass (EXPLICIT or IMPLICIT -> CLOSING -> IDLE), running after_backward."""
+        self._move_pass((BackwardPass.EXPLICIT, BackwardPass.IMPLICIT), BackwardPass.CLOSING)
         try:
             self.after_backward(boundary)
         finally:
-            self.backward_open = False
+            self.backward_pass = BackwardPass.IDLE
+
+    def abort_backward(self) -> None:
+        """Autograd raised inside engine.backward: close the pass without after_backward (EXPLICIT -> IDLE)."""
+        self._move_pass((BackwardPass.EXPLICIT,), BackwardPass.IDLE)
 
     def entering_backward_hook(self) -> None:
         """First call of every gradient hook: open a pass the engine did not start (see the Note)."""
-        if self.backward_open:
+        if self.backward_pass is not BackwardPass.IDLE:
             return
-        boundary = self.implicit_backward_boundary()
-        self.begin_backward(boundary)
-        self.implicit_backwards += 1
+        boundary = self.accumulation.backward_boundary()
+        self._open_pass((BackwardPass.IDLE,), BackwardPass.IMPLICIT, boundary)
+        self.accumulation.count_implicit_backward()
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self.end_backward(boundary))
+
+    def _open_pass(self, legal_from: tuple[BackwardPass, ...], kind: BackwardPass, boundary: bool) -> None:
+        """Move to `kind` and run before_backward; back to IDLE when before_backward raises (no pass opened)."""
+        self._move_pass(legal_from, kind)
+        try:
+            self.before_backward(boundary)
+        except BaseException:
+            self.backward_pass = BackwardPass.IDLE
+            raise
+
+    def _move_pass(self, legal_from: tuple[BackwardPass, ...], new: BackwardPass) -> None:
+        if self.backward_pass not in legal_from:
+            raise AssertionError(f"rank {comm.get_rank()}: backward pass {self.backward_pass.name} -> {new.name}, "
+                                 f"legal only from {' or '.join(s.name for s in legal_from)}")
+        self.backward_pass = new
 
     def note_transient(self, name: str, tensor: torch.Tensor | int) -> None:
         """Record a short-lived buffer's size (a tensor, or bytes) for the ledger's transient peaks."""
@@ -198,6 +248,11 @@ class Strategy(abc.ABC):
     def parameter_storages(self) -> list[torch.Tensor]:
         """Tensors whose storages hold the parameters (left out of the saved-activation count)."""
         return list(self.module.parameters())
+
+    def generation(self, max_live_numel: int) -> ContextManager[None]:
+        """engine.generation(): keep units gathered across the block's forwards, at most
+        `max_live_numel` elements (stage 3). Parameters are whole at stages 0-2: nothing to keep."""
+        return contextlib.nullcontext()
 
     def check_full_weights_allowed(self) -> None:
         """Raise when the config forbids gathering full weights for save_16bit_model (stage 3)."""
