@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from zerodp import comm
 from zerodp.accumulation import AccumulationClock, ClockPhase
 from zerodp.zero.base import BackwardPass, Strategy
 
@@ -82,6 +83,7 @@ class _Recorder(Strategy):
     def __init__(self) -> None:  # no config, no tensors
         self.backward_pass = BackwardPass.IDLE
         self.accumulation = AccumulationClock()
+        self.comm_ledger = comm.CommLedger()  # end_backward counts its collectives in it
         self.calls: list[tuple[str, bool]] = []
 
     def before_backward(self, boundary: bool) -> None:
