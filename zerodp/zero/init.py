@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from zerodp import comm
 from zerodp.offload.nvme import PARAM_NVME_PATH_KEY, SwapStore
+from zerodp.offload.param_swap import resident
 from zerodp.offload.swap import SwapSlot
 from zerodp.zero.layout import group_layout
 from zerodp.zero.units import Unit, UnitState, ZeroParamStatus, mark_partitioned
@@ -175,21 +176,10 @@ def gather_init_param(p: nn.Parameter) -> torch.Tensor:
     return full[: p.ds_numel].view(p.ds_shape)
 
 
-@contextlib.contextmanager
-def _init_shard_resident(p: nn.Parameter, modify: bool = False) -> Iterator[None]:
+def _init_shard_resident(p: nn.Parameter, modify: bool = False) -> contextlib.AbstractContextManager[None]:
     """p's zero.Init shard in memory inside the block (read from its swap file with remote_device
     "nvme", written back on exit if `modify`, then freed)."""
-    slot = getattr(p, "_zerodp_init_slot", None)
-    if slot is None:
-        yield
-        return
-    slot.read().wait()
-    try:
-        yield
-    finally:
-        if modify:
-            slot.write().wait()
-        slot.evict()
+    return resident(getattr(p, "_zerodp_init_slot", None), modify)
 
 
 def release_init_shard(p: nn.Parameter) -> None:
