@@ -1,7 +1,7 @@
 """`zerodp estimate`: model states per rank, predicted before anything runs, equal to the ledger.
 
 The estimator's figures must be the memory ledger's for the same run, byte for byte, category by
-category and tier by tier (zerodp/plan/estimate.py's [Note: the model-state arithmetic]); and its
+category and tier by tier (zerodp/plan/model_states.py's [Note: the model-state arithmetic]); and its
 formulas reproduce the ZeRO paper's Figure 1 and, where the accounting differs, DeepSpeed's own
 estimator's figures.
 """

@@ -11,7 +11,7 @@ holds) raises it at the op that crosses the limit. The report says the phase (an
 the module running), the ledger by category at that moment, the bytes beyond model states
 (activations and temporaries), the allocator's reserved-but-unallocated gap on CUDA, what dominates,
 and the remedies in order with what each saves: model states from the estimator's arithmetic (exact,
-zerodp/plan/estimate.py), activations as about half per halved micro-batch. It is written to
+zerodp/plan/model_states.py), activations as about half per halved micro-batch. It is written to
 $ZERODP_DOCTOR_DIR (default ./zerodp_oom) as rank{R}.json and raised on the rank that ran out. When
 every rank crosses the limit at the same op, each reports (tests/test_doctor.py); when only one does,
 the others are left to zerodp's handling of a lost peer at their next collective (not tested here).

@@ -4,7 +4,7 @@
 the same partition arithmetic the strategies allocate with (zero/layout.py's `group_layout`), so a prediction
 and the ledger of the same run agree (tests/test_estimate.py). `module_flats` reads a model's shapes into
 the flat buffers the strategies would build (the model may be on the meta device: no weights). The
-preflight, the OOM doctor, the planner and `zerodp estimate` (zerodp/plan/estimate.py) all read these.
+preflight, the OOM doctor, the planner and the rows of `zerodp estimate` (zerodp/plan/estimate.py) read these.
 
 [Note: the model-state arithmetic]
 Ψ trainable elements in one flat group (a parameter count, or a model's), N ranks, the group padded

@@ -1,6 +1,6 @@
 """The preflight: before any rank communicates, refuse a run whose model states alone do not fit.
 
-`initialize` estimates the model states of the run it is about to start (zerodp/plan/estimate.py:
+`initialize` estimates the model states of the run it is about to start (zerodp/plan/model_states.py:
 exact, the ledger's own figures) and compares what lands on the device with the memory it may use:
 $ZERODP_DEVICE_MEMORY_LIMIT when set (a shared GPU, or a test on a CPU), else on CUDA the free memory
 of this rank's GPU (`torch.cuda.mem_get_info`). Over the limit, every rank raises the same error (each
