@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from zerodp.cli.common import EXIT_OK, EXIT_USAGE
+from zerodp.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,10 +20,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Print every rank's report, as text or JSON."""
-    from zerodp.plan.doctor import format_report, load_reports
+    from zerodp.plan.doctor import ReportDamaged, format_report, load_reports
 
     try:
         reports = load_reports(args.path)
+    except ReportDamaged as err:  # bad data
+        print(f"zerodp doctor: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except ValueError as err:
         print(f"zerodp doctor: {err}", file=sys.stderr)
         return EXIT_USAGE

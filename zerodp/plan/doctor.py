@@ -207,10 +207,34 @@ def load_reports(path: str) -> list[dict]:
     if not files or not all(f.is_file() for f in files):
         raise ValueError(f"{path}: no OOM doctor report there (rank*.json files written on out-of-memory to "
                          f"${DIR_ENV}, default ./zerodp_oom)")
+    return [_read_report(f) for f in files]
+
+
+class ReportDamaged(ValueError):
+    """A file where a doctor report should be that is not one (bad data, not a bad argument)."""
+
+
+_REPORT_FIELDS = {"rank": int, "world_size": int, "phase": str, "error": str, "held": dict,
+                  "beyond_model_states_bytes": int, "dominant": str, "remedies": list}
+"""What format_report reads of every report, with its type."""
+
+
+def _read_report(file: Path) -> dict:
+    """One report, its fields checked (ReportDamaged naming the file and the field otherwise)."""
     try:
-        return [json.loads(f.read_text()) for f in files]
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not a doctor report ({err})") from None
+        report = json.loads(file.read_bytes()[:1 << 24].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ReportDamaged(f"{file}: not a doctor report ({type(err).__name__}: {err})") from None
+    if not isinstance(report, dict):
+        raise ReportDamaged(f"{file}: not a doctor report (a JSON {type(report).__name__}, not an object)")
+    for field, kind in _REPORT_FIELDS.items():
+        if not isinstance(report.get(field), kind) or isinstance(report.get(field), bool):
+            raise ReportDamaged(f"{file}: not a doctor report ({field!r} should be a {kind.__name__}, "
+                                f"found {report.get(field)!r:.60})")
+    if not all(isinstance(tiers, dict) for tiers in report["held"].values()) or not all(
+            isinstance(r, dict) and isinstance(r.get("remedy"), str) for r in report["remedies"]):
+        raise ReportDamaged(f"{file}: not a doctor report ('held' or 'remedies' is not as the doctor writes them)")
+    return report
 
 
 def format_report(report: dict) -> str:

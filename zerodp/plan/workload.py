@@ -7,13 +7,43 @@ tensors: shapes only) and makes one micro-batch for it, so the estimator can sim
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
+
+
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest config.json read (real ones are a few kB): a device or a huge file is refused, not read."""
+MAX_LAYERS = 10_000
+"""The most blocks a model to estimate may have: the largest published models have about 130, and a
+config naming 1e8 would build its modules on the meta device for hours before a figure came out."""
+MAX_WIDTH = 10**7
+"""The largest hidden, intermediate, head or vocabulary size accepted (real ones stay under ~3e5)."""
+_LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "num_encoder_layers")
+_WIDTH_KEYS = ("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+               "n_embd", "n_head", "d_model", "n_inner", "d_ff", "seq_len", "max_position_embeddings", "n_positions",
+               "num_local_experts", "num_experts", "moe_intermediate_size")
+
+
+def check_sizes(source: str, sizes: dict) -> None:
+    """ValueError naming the first model size in `sizes` (a config's fields; nested dicts such as a
+    multimodal model's text_config are read too) that is not a whole number from 1 up to its bound, before
+    anything is built from it."""
+    for key, value in sizes.items():
+        if isinstance(value, dict):
+            check_sizes(f"{source} {key}", value)
+            continue
+        bound = MAX_LAYERS if key in _LAYER_KEYS else MAX_WIDTH if key in _WIDTH_KEYS else None
+        if bound is None or value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+            raise ValueError(f"MODEL {source}: {key} {value!r} is not a whole number from 1 to {bound:,}"
+                             + (" (the largest published models have about 130 layers)" if bound == MAX_LAYERS else ""))
 
 
 @dataclass(frozen=True)
@@ -97,6 +127,7 @@ def _gpt_workload(spec: str) -> Workload:
         if key not in fields or not value.strip().lstrip("-").replace(".", "", 1).isdigit():
             raise ValueError(f"MODEL {spec!r}: {item!r} is not KEY=NUMBER with KEY one of {', '.join(fields)}")
         sizes[key] = float(value) if "." in value else int(value)
+    check_sizes(repr(spec), {k: v for k, v in sizes.items() if k != "dropout"})
     config = dataclasses.replace(DEMO_DEFAULT, **sizes)
 
     def inputs(_: "torch.nn.Module", micro_batch: int, seq_len: int, device: "torch.device") -> tuple[tuple, dict]:
@@ -115,7 +146,7 @@ def _hf_workload(path: "Path") -> Workload:
         raise ValueError(f"MODEL {path}: no config.json there")
     import torch
 
-    config = transformers.AutoConfig.from_pretrained(str(path))
+    config = _hf_config(transformers, path)
     causal = type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
 
@@ -132,6 +163,29 @@ def _hf_workload(path: "Path") -> Workload:
 
     longest = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     return Workload(str(path), build, inputs if causal else None, longest)
+
+
+def _hf_config(transformers: Any, path: "Path") -> Any:
+    """transformers' config of `path`, its sizes checked first; ValueError naming the file for what it cannot read."""
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():  # a FIFO would block the read, a device never end it
+        raise ValueError(f"MODEL {file}: not a regular file")
+    try:
+        with open(file, "rb") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"MODEL {file}: over {MAX_CONFIG_BYTES:,} bytes, not a model config")
+        raw = json.loads(text.decode())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"MODEL {file}: not a readable JSON config ({type(err).__name__}: {err})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"MODEL {file}: a Hugging Face config is a JSON object, not a {type(raw).__name__}")
+    check_sizes(str(file), raw)
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path))
+    except Exception as err:  # noqa: BLE001 - transformers' own errors vary by model type and release
+        raise ValueError(f"MODEL {file}: transformers cannot read it ({type(err).__name__}: "
+                         f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''})") from None
 
 
 def meta_model(spec: str) -> "torch.nn.Module":

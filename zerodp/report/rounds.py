@@ -32,7 +32,7 @@ def compare(model: str, out: Path, frameworks: list[str], nproc: int = 2, steps:
     import torch
 
     seq_len, params = _check(model, warmup, seq_len)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    _make_out(out)
     plots_missing = _plots_missing(progress)
     job = {"model": model, "micro_batch": micro_batch, "seq_len": seq_len, "dtype": dtype, "steps": steps,
            "warmup": warmup, "timeout": timeout}
@@ -68,6 +68,16 @@ def _check(model: str, warmup: int, seq_len: int | None) -> tuple[int, int]:
     with torch.device("meta"):
         params = sum(p.numel() for p in work.build().parameters() if p.requires_grad)
     return seq_len, params
+
+
+def _make_out(out: Path) -> None:
+    """The output directory and its logs/, or CompareError naming --out (a file there, no permission)."""
+    if out.exists() and not out.is_dir():
+        raise CompareError(f"--out {out}: a file is there; name a directory (it is created when missing)")
+    try:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CompareError(f"--out {out}: cannot create it ({err.strerror or err})") from None
 
 
 def _plots_missing(progress: Callable[[str], None]) -> str | None:
