@@ -93,7 +93,7 @@ def test_zerodp_doctor_names_a_path_without_reports(tmp_path, capsys) -> None:
     assert main(["doctor", str(tmp_path)]) == 2
     assert "no OOM doctor report there" in capsys.readouterr().err
     (tmp_path / "rank0.json").write_text("not json")
-    assert main(["doctor", str(tmp_path)]) == 2
+    assert main(["doctor", str(tmp_path)]) == 1  # bad data, not a bad argument (issue 38)
     assert "not a doctor report" in capsys.readouterr().err
 
 
