@@ -1,10 +1,12 @@
-"""One launch of `zerodp compare`: a job trained on N fresh spawned processes, and nothing left behind."""
+"""One launch of `zerodp compare`: a job trained on N fresh spawned processes, and nothing left behind
+(not even when `zerodp compare` is killed: [Note: workers die with their launcher] in zerodp/comm/lifecycle.py)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+from zerodp.comm.lifecycle import workers_die_with_me
 from zerodp.ports import free_port
 from zerodp.report.worker import worker
 
@@ -19,8 +21,9 @@ def launch(job: dict, nproc: int) -> dict:
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").Queue()
-    procs = mp.start_processes(worker, args=(nproc, free_port(), job, queue), nprocs=nproc, join=False,
-                               start_method="spawn")
+    with workers_die_with_me():  # a SIGKILLed `zerodp compare` takes its ranks along
+        procs = mp.start_processes(worker, args=(nproc, free_port(), job, queue), nprocs=nproc, join=False,
+                                   start_method="spawn")
     results, failure = _collect(procs, queue, nproc, job["timeout"])
     for p in procs.processes:
         p.join(timeout=30 if failure is None else 2)
