@@ -142,14 +142,16 @@ def _wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def _kill_launcher_and_expect_no_worker(launcher: subprocess.Popen, workers: list[int]) -> None:
+def _kill_launcher_and_expect_no_worker(launcher: subprocess.Popen, workers: list[int],
+                                        sig: signal.Signals = signal.SIGKILL) -> None:
+    """Send `sig` to the launcher alone (not its group); within a few seconds of its end no worker runs."""
     assert len(workers) == 2 and all(_running(pid) for pid in workers), workers
-    os.kill(launcher.pid, signal.SIGKILL)
-    launcher.wait(timeout=10)
+    os.kill(launcher.pid, sig)
+    launcher.wait(timeout=60)  # SIGTERM and SIGINT: torchrun stops its workers first
     deadline = time.monotonic() + 5
     while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert [pid for pid in workers if _running(pid)] == [], "workers outlived their SIGKILLed launcher"
+    assert [pid for pid in workers if _running(pid)] == [], f"workers outlived their launcher ({sig.name})"
 
 
 def _stop(launcher: subprocess.Popen, workers: list[int]) -> None:
@@ -161,7 +163,10 @@ def _stop(launcher: subprocess.Popen, workers: list[int]) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_workers_of_zerodp_run_die_when_the_launcher_is_sigkilled(tmp_path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda sig: sig.name)
+def test_workers_of_zerodp_run_die_with_the_launcher(sig, tmp_path) -> None:
+    """SIGKILL (and an OOM kill, a crash) by the workers' PR_SET_PDEATHSIG; SIGTERM (a `timeout`) and
+    SIGINT (Ctrl-C) by torchrun, which stops its workers when it is told to."""
     script = tmp_path / "loop.py"
     script.write_text(_COLLECTIVE_LOOP)
     log = open(tmp_path / "launcher.log", "w")
@@ -174,7 +179,7 @@ def test_workers_of_zerodp_run_die_when_the_launcher_is_sigkilled(tmp_path) -> N
         _wait_for(lambda: launcher.poll() is not None or all(p.exists() for p in pid_files), 120, "pid files")
         assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
         workers = [int(p.read_text()) for p in pid_files]
-        _kill_launcher_and_expect_no_worker(launcher, workers)
+        _kill_launcher_and_expect_no_worker(launcher, workers, sig)
     finally:
         _stop(launcher, workers)
         log.close()
