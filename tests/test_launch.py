@@ -211,3 +211,33 @@ def test_a_worker_whose_launcher_is_already_gone_exits_naming_it(tmp_path) -> No
                             text=True, timeout=120, env={**os.environ, "ZERODP_LAUNCHER_PID": str(gone.pid)})
     assert result.returncode == 1 and "still here" not in result.stdout
     assert f"the launcher that started this process (pid {gone.pid}, $ZERODP_LAUNCHER_PID) is gone" in result.stderr
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_of_zerodp_compare_die_when_it_is_sigkilled(tmp_path) -> None:
+    """compare spawns its ranks with multiprocessing (zerodp/report/launch.py), not through torchrun.
+    torch's spawn already asks for SIGINT on the parent's death, so this passes without zerodp's hook
+    as well: it guards the path, and that compare's ranks still train with SIGKILL armed over it."""
+    out = tmp_path / "cmp"
+    log = open(tmp_path / "compare.log", "w")
+    launcher = subprocess.Popen([sys.executable, "-m", "zerodp.cli", "compare", "--frameworks", "ddp", "--rounds",
+                                 "1", "--steps", "100000", "--out", str(out)], stdout=log, stderr=subprocess.STDOUT)
+    rank_logs = [out / "logs" / f"ddp-round1-rank{rank}.log" for rank in range(2)]
+    workers: list[int] = []
+    try:
+        # each rank opens its log first thing, after `import zerodp` armed its parent-death signal
+        _wait_for(lambda: launcher.poll() is not None or all(p.exists() for p in rank_logs), 120, "rank logs")
+        assert launcher.poll() is None, (tmp_path / "compare.log").read_text()[-3000:]
+        workers = [pid for pid in _children(launcher.pid) if "spawn_main" in _cmdline(pid)]
+        _kill_launcher_and_expect_no_worker(launcher, workers)
+    finally:
+        _stop(launcher, workers)
+        log.close()

@@ -169,7 +169,9 @@ atexit.register(_at_exit)
 #   the script runs) leaves it alone while the launcher lives; its own parent manages it;
 # - when the launcher is already gone, the process exits with a line that names the variable.
 # The forking thread is the agent's main thread (torchrun) or the launcher's (compare), which live as
-# long as the launch. Elsewhere than Linux this is a no-op. A worker that never imports zerodp (a plain
+# long as the launch. torch's multiprocessing spawn (compare) asks for SIGINT itself, after the import;
+# compare's ranks arm SIGKILL again (zerodp/report/launch.py): a SIGINT can be caught, and waits while
+# the rank is blocked in a collective. Elsewhere than Linux this is a no-op. A worker that never imports zerodp (a plain
 # torch script under `zerodp run`) is not covered: torchrun still stops it on SIGTERM and SIGINT.
 
 LAUNCHER_PID_ENV = "ZERODP_LAUNCHER_PID"
