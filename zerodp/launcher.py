@@ -12,12 +12,19 @@ reports the failing rank and its error.
 Both set ZERODP_AS_DEEPSPEED=1 for the workers (unless it is set already), so `import deepspeed` in
 the script and in the libraries it uses is zerodp's compatibility package. `zerodp deepspeed` takes
 DeepSpeed's launcher flags instead of torchrun's (see `deepspeed_torchrun_argv`).
+
+--allow-oversubscribe (before the script): start more processes on this machine than it can hold
+(`max_local_ranks`: 4 a core, and about 0.5 GB of memory each); without it such a count is refused
+before any process starts, exit code 2. The workers die with the launcher, however it ends (SIGKILL
+included): [Note: workers die with their launcher] in zerodp/comm/lifecycle.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+
+from zerodp.comm.lifecycle import workers_die_with_me
 
 _MULTI_NODE_OPTIONS = {
     "--standalone", "--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_addr",
@@ -36,15 +43,107 @@ def torchrun_argv(argv: list[str]) -> list[str]:
     return argv if given & _MULTI_NODE_OPTIONS else ["--standalone", *argv]
 
 
-def launch(argv: list[str]) -> int:
+# [Note: how many processes one machine may start]
+# A count of processes is a number anyone can mistype (`--nproc 100000` once started workers until 24 GiB
+# were gone and the machine stopped answering for half an hour). The limit is the smaller of two:
+# - cores x RANKS_PER_CORE (4): a gloo rank on CPU spends most of a step waiting in a collective, so a
+#   few ranks a core still make progress (the test suite runs 4 ranks on 2 cores); past that they only
+#   thrash. A GPU job runs one rank a device, far below it.
+# - available memory / RANK_HOST_BYTES (0.5 GiB): one rank of `zerodp demo` peaks at 351 MiB resident
+#   (`/usr/bin/time -v python zerodp/demo/train.py --config CFG`, torch 2.13 CPU: the torch import,
+#   gloo, the model and its optimizer); 0.5 GiB leaves room for a larger model's states. Available is
+#   /proc/meminfo's MemAvailable (what can be had without swapping), free pages elsewhere.
+# It is a floor, not an estimate of a given script: a job that needs more memory a rank fails as it
+# would without it, and --allow-oversubscribe starts any count.
+
+RANKS_PER_CORE = 4
+"""Processes a CPU core may carry ([Note: how many processes one machine may start])."""
+RANK_HOST_BYTES = 512 * 2**20
+"""Host memory one rank needs at least ([Note: how many processes one machine may start])."""
+ALLOW_OVERSUBSCRIBE = ("--allow-oversubscribe", "--allow_oversubscribe")
+"""The override flag (torchrun and DeepSpeed spell their flags both ways)."""
+
+
+OVERSUBSCRIBE_HELP = (f"start more processes than this machine can hold (default: refuse, before any starts, more "
+                      f"than {RANKS_PER_CORE} a core or one per {RANK_HOST_BYTES / 1e9:.1f} GB of available memory)")
+"""The --help text of --allow-oversubscribe, for every command that launches."""
+
+
+class OversubscribeError(ValueError):
+    """A process count beyond what this machine can hold, without --allow-oversubscribe."""
+
+
+def max_local_ranks(num_cores: int, available_bytes: int, ranks_per_core: int = RANKS_PER_CORE,
+                    rank_bytes: int = RANK_HOST_BYTES) -> int:
+    """The most processes one machine may start: min(num_cores x ranks_per_core, available_bytes //
+    rank_bytes), at least 1 ([Note: how many processes one machine may start])."""
+    return max(1, min(num_cores * ranks_per_core, available_bytes // rank_bytes))
+
+
+def machine_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which taskset and cgroups narrow), else the count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def available_memory_bytes() -> int:
+    """Memory that can be had without swapping: /proc/meminfo's MemAvailable, else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_local_ranks(what: str, num_ranks: int, allow_oversubscribe: bool = False) -> None:
+    """OversubscribeError when `num_ranks` processes exceed `max_local_ranks` of this machine (a
+    warning instead with `allow_oversubscribe`); `what` names the flag and value, e.g. "--nproc 8"."""
+    cores, available = machine_cores(), available_memory_bytes()
+    limit = max_local_ranks(cores, available)
+    if num_ranks <= limit:
+        return
+    why = (f"{what}: this machine can run at most {limit} ranks ({cores} cores x {RANKS_PER_CORE}, "
+           f"{available / 1e9:.1f} GB available at ~{RANK_HOST_BYTES / 1e9:.1f} GB a rank)")
+    if not allow_oversubscribe:
+        raise OversubscribeError(f"{why}; pass --allow-oversubscribe to start them anyway")
+    from zerodp.log import logger
+
+    logger.warning("%s; starting %d anyway (--allow-oversubscribe)", why, num_ranks)
+
+
+def split_allow_oversubscribe(argv: list[str]) -> tuple[list[str], bool]:
+    """`zerodp run ARGV` without --allow-oversubscribe, and whether it was given before the script (after
+    it, the flag is the script's own and stays)."""
+    from torch.distributed.run import parse_args
+
+    at = next((i for i, arg in enumerate(argv) if arg in ALLOW_OVERSUBSCRIBE), None)
+    if at is None:
+        return argv, False
+    rest = argv[:at] + argv[at + 1:]
+    script = parse_args(rest).training_script
+    return (rest, True) if script in rest and rest.index(script) >= at else (argv, False)
+
+
+def launch(argv: list[str], allow_oversubscribe: bool = False, what: str | None = None) -> int:
     """Run torchrun with `argv` (see `torchrun_argv`) and ZERODP_AS_DEEPSPEED=1 (unless set); returns
-    the exit code (0 when every worker succeeded)."""
+    the exit code (0 when every worker succeeded). A --nproc-per-node beyond `max_local_ranks` is refused
+    first (OversubscribeError naming `what`, default "--nproc-per-node N") unless `allow_oversubscribe`."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    args = parse_args(torchrun_argv(argv))
+    if str(args.nproc_per_node).isdigit():  # "auto", "cpu", "gpu": counted from the machine itself
+        check_local_ranks(what or f"--nproc-per-node {args.nproc_per_node}", int(args.nproc_per_node),
+                          allow_oversubscribe)
     os.environ.setdefault("ZERODP_AS_DEEPSPEED", "1")
     try:
-        run(parse_args(torchrun_argv(argv)))
+        with workers_die_with_me():
+            run(args)
     except ChildFailedError as err:
         from zerodp.log import logger
 
@@ -80,6 +179,8 @@ def _deepspeed_parser() -> argparse.ArgumentParser:
     parser.add_argument("--module", action="store_true", help="run the script as a module (python -m)")
     parser.add_argument("--no_python", action="store_true", help="run the script as an executable, not with python")
     parser.add_argument("--log_level", default=None, help="zerodp's log level for the workers (ZERODP_LOG_LEVEL)")
+    parser.add_argument(*ALLOW_OVERSUBSCRIBE, dest="allow_oversubscribe", action="store_true",
+                        help=OVERSUBSCRIBE_HELP)
     for flag in _DEEPSPEED_ONLY_SWITCHES:
         parser.add_argument(f"--{flag}", action="store_const", const=True, default=None, help=argparse.SUPPRESS)
     for flag in _DEEPSPEED_ONLY_OPTIONS:
@@ -147,7 +248,10 @@ def launch_deepspeed(argv: list[str]) -> int:
     """`zerodp deepspeed ARGV`: DeepSpeed's launcher flags (see `deepspeed_torchrun_argv`), run by torchrun."""
     import torch
 
-    log_level = _deepspeed_parser().parse_known_args(argv)[0].log_level
-    if log_level:
-        os.environ.setdefault("ZERODP_LOG_LEVEL", log_level.upper())
-    return launch(deepspeed_torchrun_argv(argv, torch.cuda.device_count()))
+    args = _deepspeed_parser().parse_known_args(argv)[0]
+    if args.log_level:
+        os.environ.setdefault("ZERODP_LOG_LEVEL", args.log_level.upper())
+    torchrun = deepspeed_torchrun_argv(argv, torch.cuda.device_count())
+    nproc = next(arg.split("=", 1)[1] for arg in torchrun if arg.startswith("--nproc-per-node="))
+    what = f"--num_gpus {nproc}" if args.num_gpus or not args.hostfile else f"{args.hostfile}'s slots={nproc}"
+    return launch(torchrun, args.allow_oversubscribe, what)

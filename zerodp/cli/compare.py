@@ -10,6 +10,8 @@ from zerodp.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, positive_int
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`zerodp compare`."""
+    from zerodp.launcher import OVERSUBSCRIBE_HELP
+
     compare = sub.add_parser("compare", help="train one model with DDP, FSDP2, DeepSpeed and zerodp's strategies, "
                              "side by side: report.md and plots", description="Each framework trains in fresh "
                              "processes, interleaved over rounds; step time, peak memory by category, communication "
@@ -19,6 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          help="as for zerodp estimate: demo (default), gpt:KEY=VALUE,..., a Hugging Face config file "
                               "or directory, or module:function")
     compare.add_argument("--nproc", type=positive_int, default=2, help="ranks (default 2)")
+    compare.add_argument("--allow-oversubscribe", action="store_true", help=OVERSUBSCRIBE_HELP)
     compare.add_argument("--frameworks", default=None, metavar="A,B,...",
                          help="comma-separated, from: " + ", ".join(_frameworks()) + " (default: all)")
     compare.add_argument("--steps", type=positive_int, default=10, help="timed optimizer steps per launch (default 10)")
@@ -43,18 +46,21 @@ def _frameworks() -> list[str]:
 def _command(args: argparse.Namespace, names: list[str]) -> str:
     """The command line that reproduces this run, every setting spelled out."""
     seq = f" --seq-len {args.seq_len}" if args.seq_len else ""
-    return (f"zerodp compare {args.model} --nproc {args.nproc} --frameworks {','.join(names)} --steps {args.steps} "
-            f"--rounds {args.rounds} --warmup {args.warmup} --micro-batch {args.micro_batch}{seq} --dtype {args.dtype} "
-            f"--out {args.out}")
+    allow = " --allow-oversubscribe" if args.allow_oversubscribe else ""
+    return (f"zerodp compare {args.model} --nproc {args.nproc}{allow} --frameworks {','.join(names)} "
+            f"--steps {args.steps} --rounds {args.rounds} --warmup {args.warmup} --micro-batch {args.micro_batch}{seq} "
+            f"--dtype {args.dtype} --out {args.out}")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Run the comparison, progress on stderr; exit 0 when at least one framework ran, 1 when none did."""
     from pathlib import Path
 
+    from zerodp.launcher import check_local_ranks
     from zerodp.report import CompareError, compare, parse_frameworks
 
     try:
+        check_local_ranks(f"--nproc {args.nproc}", args.nproc, args.allow_oversubscribe)
         names = parse_frameworks(args.frameworks) if args.frameworks else _frameworks()
         rows = compare(args.model, Path(args.out), names, nproc=args.nproc, steps=args.steps, rounds=args.rounds,
                        warmup=args.warmup, micro_batch=args.micro_batch, seq_len=args.seq_len, dtype=args.dtype,

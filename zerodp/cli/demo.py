@@ -13,6 +13,8 @@ from zerodp.cli.common import EXIT_USAGE, positive_int
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`zerodp demo`."""
+    from zerodp.launcher import OVERSUBSCRIBE_HELP
+
     demo = sub.add_parser("demo", help="train a small GPT on a synthetic task, then show the memory ledger")
     demo.add_argument("--nproc", type=positive_int, default=2, help="processes (ranks) to launch (default 2)")
     demo.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default: the demo's)")
@@ -21,6 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--config", default=None, help="a DeepSpeed JSON config to start from (flags override it)")
     demo.add_argument("--activation-checkpointing", action="store_true",
                       help="checkpoint every transformer block (compare the saved-activation bytes with and without)")
+    demo.add_argument("--allow-oversubscribe", action="store_true", help=OVERSUBSCRIBE_HELP)
     demo.set_defaults(func=cmd_demo)
 
 
@@ -30,11 +33,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from zerodp.config import ConfigError, load_config
     from zerodp.demo import train as train_script
     from zerodp.demo.train import demo_config
+    from zerodp.launcher import OversubscribeError, check_local_ranks
 
     try:
+        check_local_ranks(f"--nproc {args.nproc}", args.nproc, args.allow_oversubscribe)  # before any world math
         config = demo_config(args.config, stage=args.stage, dtype=args.dtype)
         load_config(config, world_size=args.nproc)  # fail here, not in N tracebacks
-    except (ConfigError, OSError) as err:
+    except (ConfigError, OSError, OversubscribeError) as err:
         print(f"zerodp demo: {err}", file=sys.stderr)
         return EXIT_USAGE
     with tempfile.TemporaryDirectory(prefix="zerodp-demo-") as tmp:
@@ -43,7 +48,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             json.dump(config, f)
         # The script by path, not `-m zerodp.demo.train`: -m puts the working directory first on
         # sys.path, and a directory there named zerodp (a checkout's root) would shadow the package.
-        argv = ["--nproc-per-node", str(args.nproc), train_script.__file__, "--config", path]
+        argv = ["--allow-oversubscribe"] if args.allow_oversubscribe else []
+        argv += ["--nproc-per-node", str(args.nproc), train_script.__file__, "--config", path]
         if args.steps is not None:
             argv += ["--steps", str(args.steps)]
         if args.activation_checkpointing:

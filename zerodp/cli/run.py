@@ -19,22 +19,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_run(argv: list[str]) -> int:
-    """`zerodp run ARGV`: torchrun with zerodp's defaults; the workers' exit code."""
-    from zerodp.launcher import launch
+    """`zerodp run ARGV`: torchrun with zerodp's defaults; the workers' exit code (2 for a process count
+    this machine cannot hold without --allow-oversubscribe)."""
+    from zerodp.launcher import OversubscribeError, launch, split_allow_oversubscribe
 
     if not argv or argv[0] in ("-h", "--help"):
         print(_run_help())
         return EXIT_OK if argv else EXIT_USAGE
-    return launch(argv)
+    argv, allow_oversubscribe = split_allow_oversubscribe(argv)
+    try:
+        return launch(argv, allow_oversubscribe)
+    except OversubscribeError as err:
+        print(f"zerodp run: {err}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def cmd_deepspeed(argv: list[str]) -> int:
     """`zerodp deepspeed ARGV`: DeepSpeed's launcher flags translated for torchrun."""
-    from zerodp.launcher import launch_deepspeed
+    from zerodp.launcher import OversubscribeError, launch_deepspeed
 
     try:
         return launch_deepspeed(argv)
-    except ValueError as err:
+    except OversubscribeError as err:
+        print(f"zerodp deepspeed: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as err:  # its messages name the command already
         print(err, file=sys.stderr)
         return EXIT_USAGE
 
@@ -42,4 +51,5 @@ def cmd_deepspeed(argv: list[str]) -> int:
 def _run_help() -> str:
     from zerodp import launcher
 
-    return "usage: zerodp run [torchrun options] SCRIPT [script args]\n" + (launcher.__doc__ or "")
+    return ("usage: zerodp run [--allow-oversubscribe] [torchrun options] SCRIPT [script args]\n"
+            + (launcher.__doc__ or ""))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import signal
 import sys
 import time
 import weakref
@@ -146,6 +147,94 @@ def _at_exit() -> None:
 
 
 atexit.register(_at_exit)
+
+
+# ---------------------------------------------------------------------------------------------
+# a worker dies with its launcher
+
+# [Note: workers die with their launcher]
+# torchrun's agent (in-process in `zerodp run`, `zerodp deepspeed` and `zerodp demo`) starts each worker
+# in a session of its own (start_new_session=True), and `zerodp compare` spawns its ranks with
+# multiprocessing. The agent stops its workers when it is told to (SIGTERM, SIGINT, a timeout's
+# SIGTERM), but a SIGKILL, an OOM kill or a crash of the launcher leaves them running: no terminal,
+# no process group and no parent reaps them (133 orphaned demo ranks once). Linux's
+# prctl(PR_SET_PDEATHSIG, SIGKILL) makes the kernel kill a process when the thread that forked it
+# exits, however it exits; only the child can ask for it, and torch gives no hook between its fork and
+# exec. So the launchers put their pid in $ZERODP_LAUNCHER_PID (`workers_die_with_me`) and the worker
+# asks for it itself, when it imports zerodp (this module is imported by `import zerodp` and
+# `import deepspeed` under ZERODP_AS_DEEPSPEED, both before a script's first collective):
+# - a direct child of the launcher arms the signal, then checks its parent again: a launcher that died
+#   between the fork and the prctl is not seen by the kernel, so a changed parent means exit now;
+# - any other process that inherited the variable (a DataLoader worker, a compile subprocess, a tool
+#   the script runs) leaves it alone while the launcher lives; its own parent manages it;
+# - when the launcher is already gone, the process exits with a line that names the variable.
+# The forking thread is the agent's main thread (torchrun) or the launcher's (compare), which live as
+# long as the launch. torch's multiprocessing spawn (compare) asks for SIGINT itself, after the import;
+# compare's ranks arm SIGKILL again (zerodp/report/launch.py): a SIGINT can be caught, and waits while
+# the rank is blocked in a collective. Elsewhere than Linux this is a no-op. A worker that never imports zerodp (a plain
+# torch script under `zerodp run`) is not covered: torchrun still stops it on SIGTERM and SIGINT.
+
+LAUNCHER_PID_ENV = "ZERODP_LAUNCHER_PID"
+"""Set by zerodp's launchers to their pid: their workers die with them ([Note: workers die with their launcher])."""
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@contextmanager
+def workers_die_with_me() -> Iterator[None]:
+    """Processes this process starts inside the block die with it once they import zerodp: sets
+    $ZERODP_LAUNCHER_PID to this pid for the block ([Note: workers die with their launcher])."""
+    before = os.environ.get(LAUNCHER_PID_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+        else:
+            os.environ[LAUNCHER_PID_ENV] = before
+
+
+def die_with_launcher() -> None:
+    """When $ZERODP_LAUNCHER_PID names this process's parent, the kernel kills this process when the
+    parent dies (PR_SET_PDEATHSIG, Linux only); exits at once when that launcher is already gone.
+    Called when zerodp is imported ([Note: workers die with their launcher])."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    launcher_pid = int(launcher)
+    if os.getppid() == launcher_pid:
+        _set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() == launcher_pid:  # armed while the launcher lived: the kernel does the rest
+            return
+    elif _process_exists(launcher_pid):
+        return  # a descendant of a worker, not a worker: its own parent manages it
+    sys.stderr.write(f"zerodp: the launcher that started this process (pid {launcher_pid}, "
+                     f"${LAUNCHER_PID_ENV}) is gone; exiting\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _set_parent_death_signal(sig: signal.Signals) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this worker may outlive its launcher",
+                       ctypes.get_errno())
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+die_with_launcher()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""One launch of `zerodp compare`: a job trained on N fresh spawned processes, and nothing left behind."""
+"""One launch of `zerodp compare`: a job trained on N fresh spawned processes, and nothing left behind
+(not even when `zerodp compare` is killed: [Note: workers die with their launcher] in zerodp/comm/lifecycle.py)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+from zerodp.comm.lifecycle import die_with_launcher, workers_die_with_me
 from zerodp.ports import free_port
 from zerodp.report.worker import worker
 
@@ -19,8 +21,9 @@ def launch(job: dict, nproc: int) -> dict:
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").Queue()
-    procs = mp.start_processes(worker, args=(nproc, free_port(), job, queue), nprocs=nproc, join=False,
-                               start_method="spawn")
+    with workers_die_with_me():  # a SIGKILLed `zerodp compare` takes its ranks along
+        procs = mp.start_processes(_worker_dying_with_launcher, args=(nproc, free_port(), job, queue), nprocs=nproc,
+                                   join=False, start_method="spawn")
     results, failure = _collect(procs, queue, nproc, job["timeout"])
     for p in procs.processes:
         p.join(timeout=30 if failure is None else 2)
@@ -31,6 +34,14 @@ def launch(job: dict, nproc: int) -> dict:
         tb = next((r["traceback"] for r in results.values() if "error" in r), "")
         return {"error": f"{failure} (its output: {job['log'].format(rank='*')})", "traceback": tb}
     return results[0]
+
+
+def _worker_dying_with_launcher(rank: int, *args: Any) -> None:
+    """`worker`, killed when `zerodp compare` dies. torch's spawn asks for SIGINT on the parent's death,
+    after the import that armed SIGKILL; a SIGINT waits for a rank blocked in a collective and can be
+    caught, so SIGKILL is armed again here, last ([Note: workers die with their launcher])."""
+    die_with_launcher()
+    worker(rank, *args)
 
 
 def _collect(procs: Any, queue: Any, nproc: int, timeout: float) -> tuple[dict[int, dict], str | None]:
