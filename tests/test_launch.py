@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -42,8 +43,10 @@ class _Started(Exception):
 
 
 @pytest.fixture
-def nothing_starts(monkeypatch) -> None:
-    """torchrun's `run` (zerodp run, deepspeed, demo) and compare's runs raise `_Started` instead."""
+def nothing_starts(monkeypatch) -> Iterator[None]:
+    """torchrun's `run` (zerodp run, deepspeed, demo) and compare's runs raise `_Started` instead; the
+    environment the commands set for their workers (ZERODP_AS_DEEPSPEED, ZERODP_LOG_LEVEL, ...) is put
+    back after, so it reaches no later test's subprocess."""
     import torch.distributed.run
 
     import zerodp.report
@@ -53,6 +56,10 @@ def nothing_starts(monkeypatch) -> None:
 
     monkeypatch.setattr(torch.distributed.run, "run", started)
     monkeypatch.setattr(zerodp.report, "compare", started)
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
 
 
 def _commands(tmp_path: Path, nproc: str, allow: list[str], allow_ds: list[str]) -> dict[str, list[str]]:
