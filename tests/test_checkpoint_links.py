@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,22 @@ def test_format_writers_replace_a_link_and_refuse_none_of_their_own_files(tmp_pa
     (tmp_path / "d" / "c").mkdir()
     with pytest.raises(IsADirectoryError, match=r"a directory is in the way.*d/c"):
         fsync_write(tmp_path / "d" / "c", b"mine")
+
+
+def test_a_write_onto_a_full_disk_names_the_disk_the_bytes_needed_and_free(tmp_path: Path) -> None:
+    """A 16 KiB tmpfs: ENOSPC from write or fsync becomes DiskFull, naming the mount and the numbers."""
+    from zerodp.checkpoint.format import fsync_write, torch_save_synced
+    from zerodp.checkpoint.safe_io import DiskFull
+
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs (a real full disk) needs root")
+    try:
+        with pytest.raises(DiskFull, match=rf"^no space left on {mount} \(needed 65,536 bytes, free \d+ bytes\) "
+                                           rf"writing {mount}/a"):
+            fsync_write(mount / "a", bytes(1 << 16))
+        with pytest.raises(DiskFull, match=rf"^no space left on {mount} \(needed 262,144 bytes"):
+            torch_save_synced({"x": torch.zeros(1 << 16)}, mount / "b")
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

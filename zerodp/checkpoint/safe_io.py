@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -149,15 +150,17 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
+_TORCH_WRITE_FAILED = re.compile(r"unexpected pos|write failed|failed writing")
+"""What torch.save's RuntimeError says when the file under it could not be written."""
 _NEARLY_FULL_BYTES = 1 << 20
 """Free space below which a failed write is taken for a full disk: torch.save's RuntimeError says
 nothing about why, so the space left on the device is all there is to tell by."""
 
 
 def disk_full_error(path: Path, err: BaseException, needed_bytes: int) -> DiskFull | None:
-    """A `DiskFull` for `err` when it is a write that failed on a full file system (ENOSPC, or any
-    write error on a device that has less than 1 MiB free); None otherwise."""
-    if isinstance(err, DiskFull):
+    """A `DiskFull` for `err` when it is a write that failed on a full file system (ENOSPC, or a
+    failed write, torch.save's included, on a device with less than 1 MiB free); None otherwise."""
+    if isinstance(err, DiskFull) or (isinstance(err, RuntimeError) and not _TORCH_WRITE_FAILED.search(str(err))):
         return None
     try:
         usage = os.statvfs(path.parent)
