@@ -243,18 +243,24 @@ def test_convert_into_the_checkpoint_it_reads_is_refused_naming_both(tmp_path: P
     assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before and not (ckpt / "hf").exists()
 
 
-def test_an_output_inside_the_input_is_refused_by_the_library_and_by_gather(tmp_path: Path, saved, capsys) -> None:
-    from zerodp.checkpoint import CheckpointError, convert_to_safetensors
+def test_an_output_inside_the_input_is_refused_by_gather_and_deepspeed_to_zerodp(tmp_path: Path, saved,
+                                                                                  capsys) -> None:
+    """Where the output's names are the input's (TAG, latest), also in Python; the weight exports in
+    Python write inside a checkpoint directory as DeepSpeed's zero_to_fp32.py does."""
+    from zerodp.checkpoint import CheckpointError
     from zerodp.checkpoint.deepspeed import convert_to_zerodp
     from zerodp.cli import main
+    from zerodp.compat.deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 
-    with pytest.raises(CheckpointError, match=r"the output directory .* is the input checkpoint .*give a directory outside it"):
-        convert_to_safetensors(saved[0], saved[0])
     ds = tmp_path / "ds"
     shutil.copytree(DS_FIXTURES / "stage2_fp16", ds)
-    with pytest.raises(CheckpointError, match=r"the output directory .* is inside the input checkpoint"):
+    with pytest.raises(CheckpointError, match=r"^the output directory .* is the input checkpoint .*outside it$"):
+        convert_to_zerodp(ds, ds)
+    with pytest.raises(CheckpointError, match=r"^the output directory .* is inside the input checkpoint"):
         convert_to_zerodp(ds, ds / "z")
-    assert not (ds / "z").exists()
+    assert not (ds / "z").exists() and sorted(os.listdir(ds)) == ["expected.pt", "global_step3", "latest"]
+    assert main(["ckpt", "convert", str(ds), str(ds / "z"), "--to", "zerodp"]) == 2
+    assert [p.name for p in convert_zero_checkpoint_to_fp32_state_dict(ds, ds / "fp32")] == ["pytorch_model.bin"]
     hosts = _as_node_local(saved[0], tmp_path / "hosts")
     assert main(["ckpt", "gather", *map(str, hosts), "--out", str(hosts[1] / "merged")]) == 2
     err = capsys.readouterr().err

@@ -30,8 +30,8 @@ import torch
 from zerodp.checkpoint import deepspeed
 from zerodp.checkpoint.format import (ENGINE, LATEST, META, CheckpointError, check_tag, copy_from_mapped,
                                       rank_file_order, read_meta, release_pages, verified_load)
-from zerodp.checkpoint.safe_io import (discard, fsync_dir, output_inside_input, replace_atomically, tensor_bytes,
-                                       torch_save_fresh, write_fresh)
+from zerodp.checkpoint.safe_io import (discard, fsync_dir, replace_atomically, tensor_bytes, torch_save_fresh,
+                                       write_fresh)
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                        torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL", torch.int8: "I8"}
@@ -204,9 +204,6 @@ def _start(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None, dtype: to
     """What both exports share: the output folder (created), the shard file names, per shard its
     planned entries and a lazy stream of its (name, tensor) in that order (checked against the
     plan, `progress(done, total)` called as each is consumed), and the tied names {alias: name}."""
-    problem = output_inside_input(out_dir, [ckpt_dir])
-    if problem:
-        raise CheckpointError(problem)
     source = _Source(ckpt_dir, tag, dtype)
     plan = source.plan()
     groups = _shards(plan, max_shard_bytes)

@@ -184,7 +184,10 @@ def _mount_point(path: Path) -> str:
 
 def output_inside_input(out_dir: str | Path, input_dirs: list[str | Path], what: str = "the output directory") -> str | None:
     """Why `out_dir` may not take an output (None when it may): it is one of `input_dirs`, or inside
-    one, after resolving links (writing there would change the checkpoint being read)."""
+    one, after resolving links (writing there would change the checkpoint being read). Checked by
+    every `zerodp ckpt` command that writes, and in Python where the output's names are the input's
+    (gather, DeepSpeed to zerodp: TAG and `latest`); the Python weight exports allow it, as DeepSpeed's
+    `zero_to_fp32.py . output_dir/` run inside a checkpoint directory does."""
     out = os.path.realpath(out_dir)
     for source in input_dirs:
         src = os.path.realpath(source)
