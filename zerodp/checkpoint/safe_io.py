@@ -46,6 +46,9 @@ class DiskFull(OSError):
     def __str__(self) -> str:
         return self.strerror
 
+    def __reduce__(self) -> tuple:  # OSError pickles (errno, message): rebuild from the message alone
+        return type(self), (self.strerror,)
+
 
 def remove_entry(path: Path) -> None:
     """Remove whatever is at `path` without following it: a link or file is unlinked, a directory
