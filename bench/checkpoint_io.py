@@ -104,11 +104,12 @@ def main() -> None:
     args = parser.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="zerodp-ckpt-bench-")
     try:
-        saved = _phase("save", 2, 2, root)
-        size = sum(f.stat().st_size for f in Path(root, "bench").iterdir())
-        loaded = _phase("load", 1, 1, root)
-        safetensors = _convert("convert_to_safetensors", root, os.path.join(root, "hf"))
-        torch_bin = _convert("convert_to_torch", root, os.path.join(root, "bin"))
+        ckpt = os.path.join(root, "ckpt")  # the exports go beside it: an output inside it is refused
+        saved = _phase("save", 2, 2, ckpt)
+        size = sum(f.stat().st_size for f in Path(ckpt, "bench").iterdir())
+        loaded = _phase("load", 1, 1, ckpt)
+        safetensors = _convert("convert_to_safetensors", ckpt, os.path.join(root, "hf"))
+        torch_bin = _convert("convert_to_torch", ckpt, os.path.join(root, "bin"))
         largest = max(p.numel() for p in TinyGPT(MODEL).parameters()) * 4
         lines = [f"TinyGPT {saved[0]['numel'] / 1e6:.0f}M params; checkpoint {size / 2**30:.2f} GiB; "
                  f"largest tensor {largest / 2**20:.0f} MiB; output shards of 256 MiB"]

@@ -272,7 +272,7 @@ def test_a_problem_one_rank_finds_is_raised_on_every_rank(tmp_path: Path, saved_
 @pytest.fixture
 def full_disk(tmp_path: Path):
     """A 16 KiB tmpfs: torch.save of a rank file fills it, and torch raises its own RuntimeError
-    ("[enforce fail at inline_container.cc] unexpected pos"), which is not an OSError."""
+    ("[enforce fail at inline_container.cc] unexpected pos"), which the save reports as DiskFull."""
     mount = tmp_path / "full"
     mount.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True).returncode:
@@ -296,8 +296,10 @@ def test_a_write_that_fails_on_one_rank_fails_the_save_on_every_rank_and_leaves_
         tmp_path: Path, full_disk: Path) -> None:
     root = tmp_path / "ckpt"
     (kind0, text0), (kind1, text1) = run_ranks(_save_with_a_full_disk, 2, args=(str(root), str(full_disk)), timeout=100)
-    assert kind1 == "RuntimeError" and "unexpected pos" in text1, text1  # torch's own error, on rank 1
-    assert kind0 == "PeerFailed" and text0.startswith("rank 1 failed with RuntimeError:"), text0
+    # torch's own error ("enforce fail ... unexpected pos") is named for what it is, with the numbers
+    assert kind1 == "DiskFull" and re.match(rf"no space left on {full_disk} \(needed [\d,]+ bytes, free [\d,]+ bytes\)",
+                                            text1), text1
+    assert kind0 == "PeerFailed" and text0.startswith("rank 1 failed with DiskFull: no space left on"), text0
     assert list(root.iterdir()) == []  # no t.tmp, no t, no latest
 
 
@@ -306,10 +308,11 @@ def test_a_conversion_from_a_corrupt_file_fails_by_name_and_leaves_no_partial_sh
                                                                                     capsys) -> None:
     from zerodp.cli import main
 
-    run_ranks(_save_one, 2, args=(str(tmp_path),))
-    _corrupt(tmp_path, "bit flip")  # rank 1's file: rank 0's pieces are written first
+    ckpt = tmp_path / "ckpt"  # OUT beside it: an output inside the checkpoint read is refused
+    run_ranks(_save_one, 2, args=(str(ckpt),))
+    _corrupt(ckpt, "bit flip")  # rank 1's file: rank 0's pieces are written first
     out = tmp_path / "out"
-    assert main(["ckpt", "convert", str(tmp_path), str(out), "--to", to, "--max-shard-size", "1KB"]) != 0
+    assert main(["ckpt", "convert", str(ckpt), str(out), "--to", to, "--max-shard-size", "1KB"]) != 0
     assert "rank_1_of_2.pt is corrupt" in capsys.readouterr().err
     assert list(out.iterdir()) == []
 

@@ -116,7 +116,7 @@ def test_shard_sizes_are_read_as_hugging_face_writes_them(text: str, size: int) 
 
 
 def test_a_bad_shard_size_and_a_missing_checkpoint_are_one_line_each(tmp_path, capsys) -> None:
-    assert main(["ckpt", "convert", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "5 parsecs"]) == 1
+    assert main(["ckpt", "convert", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "5 parsecs"]) == 1
     assert "--max-shard-size '5 parsecs': expected a size such as 5GB" in capsys.readouterr().err
     assert main(["ckpt", "inspect", str(tmp_path / "nowhere")]) == 1
     assert capsys.readouterr().err == f"zerodp ckpt inspect: {tmp_path / 'nowhere'} does not exist\n"

@@ -444,7 +444,7 @@ class Engine(EngineAccessors, nn.Module):
         time into rank 0's host memory). Returns True."""
         from pathlib import Path
 
-        from zerodp.checkpoint.convert import save_hf_config, write_safetensors
+        from zerodp.checkpoint.convert import save_full_weights, save_hf_config
         from zerodp.checkpoint.save import tied_names
 
         self.strategy.check_full_weights_allowed()  # stage 3: explains the missing config key
@@ -455,13 +455,7 @@ class Engine(EngineAccessors, nn.Module):
         if comm.get_rank() == 0:
             path = Path(save_dir) / save_filename
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            if path.suffix == ".safetensors":
-                aliases = tied_names(self.module)
-                write_safetensors(tmp, [(n, t.contiguous()) for n, t in state.items() if n not in aliases])
-            else:
-                torch.save(state, tmp)
-            tmp.replace(path)
+            save_full_weights(path, state, skip=tied_names(self.module))  # tmp created fresh, renamed
             save_hf_config(self.module, save_dir)  # a transformers model: from_pretrained(save_dir) works
             log_rank0("saved 16-bit model weights to %s", path)
         comm.barrier()

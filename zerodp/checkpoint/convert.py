@@ -16,17 +16,22 @@ data), so no extra package is needed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
+import os
 import struct
+import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Container, Iterator
 
 import torch
 
 from zerodp.checkpoint import deepspeed
 from zerodp.checkpoint.format import (ENGINE, LATEST, META, CheckpointError, check_tag, copy_from_mapped,
                                       rank_file_order, read_meta, release_pages, verified_load)
+from zerodp.checkpoint.safe_io import (discard, fsync_dir, replace_atomically, tensor_bytes, torch_save_fresh,
+                                       write_fresh)
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                        torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL", torch.int8: "I8"}
@@ -164,11 +169,9 @@ def convert_to_safetensors(ckpt_dir: str | Path, out_dir: str | Path, tag: str |
     weight_map = {}
     with _removed_on_error(out, names):
         for file, (entries, tensors) in zip(names, shards):
-            with open(out / f"{file}.tmp", "wb") as f:
-                f.write(_safetensors_header(entries))
-                for name, tensor in tensors:
-                    _write_bytes(f, tensor)
-                    weight_map[name] = file
+            nbytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in entries)
+            write_fresh(out / f"{file}.tmp", functools.partial(_write_shard, entries, tensors), nbytes)
+            weight_map.update((name, file) for name, _, _ in entries)
     return _publish(out, names, weight_map, "model.safetensors.index.json")
 
 
@@ -190,8 +193,7 @@ def convert_to_torch(ckpt_dir: str | Path, out_dir: str | Path, tag: str | None 
                 for key in (name, *aliases.get(name, ())):
                     shard[key] = tensor
                     weight_map[key] = file
-            with open(out / f"{file}.tmp", "wb") as f:
-                torch.save(shard, f)
+            torch_save_fresh(shard, out / f"{file}.tmp")
             del shard
     return _publish(out, names, weight_map, "pytorch_model.bin.index.json")
 
@@ -233,7 +235,7 @@ def _removed_on_error(out: Path, names: list[str]) -> Iterator[None]:
         yield
     except BaseException:
         for name in names:
-            (out / f"{name}.tmp").unlink(missing_ok=True)
+            discard(out / f"{name}.tmp")
         raise
 
 
@@ -244,13 +246,14 @@ def _shard_names(stem: str, suffix: str, n: int) -> list[str]:
 def _publish(out: Path, names: list[str], weight_map: dict[str, str], index_name: str) -> list[Path]:
     """Rename the finished `.tmp` shards to their names and, for several, write the index."""
     files = [out / name for name in names]
-    for file in files:
+    for file in files:  # rename replaces a link at the final name, never writes through it
         (out / f"{file.name}.tmp").rename(file)
     if len(files) > 1:
         total = sum(f.stat().st_size for f in files)
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / index_name).write_text(json.dumps(index, indent=2))
+        index = json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+        replace_atomically(out / index_name, lambda f: f.write(index.encode()))
         files.append(out / index_name)
+    fsync_dir(out)
     return files
 
 
@@ -269,17 +272,34 @@ def _safetensors_header(entries: list[Entry]) -> bytes:
     return struct.pack("<Q", len(encoded)) + encoded
 
 
+def _write_shard(entries: list[Entry], tensors: Iterator[tuple[str, torch.Tensor]], f: BinaryIO) -> None:
+    """A safetensors file laid out from `entries`, its data streamed from `tensors` (in that order)."""
+    f.write(_safetensors_header(entries))
+    for _, tensor in tensors:
+        _write_bytes(f, tensor)
+
+
 def _write_bytes(f: BinaryIO, tensor: torch.Tensor) -> None:
     if tensor.numel():
         f.write(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
 
 
-def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Write (name, tensor) pairs as one safetensors file."""
-    with open(path, "wb") as f:
-        f.write(_safetensors_header([(n, list(t.shape), t.dtype) for n, t in tensors]))
-        for _, t in tensors:
-            _write_bytes(f, t)
+def write_safetensors(f: BinaryIO, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Write (name, tensor) pairs as one safetensors file into the open file `f`."""
+    f.write(_safetensors_header([(n, list(t.shape), t.dtype) for n, t in tensors]))
+    for _, t in tensors:
+        _write_bytes(f, t)
+
+
+def save_full_weights(path: Path, state: dict[str, torch.Tensor], skip: Container[str] = ()) -> None:
+    """Write a full state dict to `path` (engine.save_16bit_model): safetensors for a `.safetensors`
+    name (without the names in `skip`: tied aliases), else torch.save; as PATH.tmp created fresh, then
+    renamed into place, so neither a crash nor a link at either name corrupts anything else."""
+    if path.suffix == ".safetensors":
+        tensors = [(n, t.contiguous()) for n, t in state.items() if n not in skip]
+        replace_atomically(path, lambda f: write_safetensors(f, tensors), tensor_bytes(tensors))
+    else:
+        replace_atomically(path, lambda f: torch.save(state, f), tensor_bytes(state))
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -340,7 +360,8 @@ def copy_hf_config(src_dir: str | Path, out_dir: str | Path) -> list[Path]:
     for name in HF_CONFIG_FILES:
         if (Path(src_dir) / name).is_file():
             written.append(Path(out_dir) / name)
-            written[-1].write_bytes((Path(src_dir) / name).read_bytes())
+            data = (Path(src_dir) / name).read_bytes()
+            replace_atomically(written[-1], lambda f, data=data: f.write(data), len(data))
     return written
 
 
@@ -350,8 +371,18 @@ def save_hf_config(module: torch.nn.Module, out_dir: str | Path) -> list[Path]:
     config = getattr(module, "config", None)
     if not (hasattr(config, "save_pretrained") and hasattr(module, "save_pretrained")):
         return []
-    config.save_pretrained(out_dir)
-    generation = getattr(module, "generation_config", None)
-    if generation is not None and hasattr(generation, "save_pretrained"):
-        generation.save_pretrained(out_dir)
-    return [Path(out_dir) / name for name in HF_CONFIG_FILES if (Path(out_dir) / name).is_file()]
+    # save_pretrained opens its files following links: it writes into a directory made fresh for
+    # it (mkdtemp), whose files are then renamed into `out_dir` (safe_io's [Note: no write through a link])
+    staging = Path(tempfile.mkdtemp(prefix=".zerodp_hf_config_", dir=out_dir))
+    try:
+        config.save_pretrained(staging)
+        generation = getattr(module, "generation_config", None)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(staging)
+        written = [Path(out_dir) / name for name in HF_CONFIG_FILES if (staging / name).is_file()]
+        for file in written:
+            os.replace(staging / file.name, file)
+    finally:
+        discard(staging)
+    fsync_dir(Path(out_dir))
+    return written

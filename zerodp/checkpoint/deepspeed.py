@@ -33,8 +33,8 @@ import enum
 import json
 import math
 import pickle
+import os
 import re
-import shutil
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
@@ -42,7 +42,8 @@ from typing import Any, Callable
 import torch
 
 from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, LATEST, META, CheckpointError, check_tag, fsync_dir,
-                                      fsync_write, rank_file, sha256, torch_save_synced)
+                                      fsync_write, rank_file, replace_latest, sha256, torch_save_synced)
+from zerodp.checkpoint.safe_io import discard, fresh_dir, output_inside_input
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 _OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
@@ -341,9 +342,10 @@ def convert_to_zerodp(ds_dir: str | Path, out_dir: str | Path, tag: str | None =
                               f"with {MODEL_STATES} or zero_pp_rank_0_mp_rank_00_model_states.pt)")
     saved = DeepSpeedCheckpoint(source)
     root, name = Path(out_dir), source.name
-    tmp = root / f"{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    problem = output_inside_input(root, [ds_dir])
+    if problem:
+        raise CheckpointError(problem)
+    tmp = fresh_dir(root / f"{name}.tmp")  # an interrupted conversion's, or a link: replaced, never followed
     try:
         files = {}
         for rank, ds_file in enumerate(saved.meta["files"]):
@@ -362,13 +364,11 @@ def convert_to_zerodp(ds_dir: str | Path, out_dir: str | Path, tag: str | None =
                 "converted_from": f"DeepSpeed {source}"}
         fsync_write(tmp / META, json.dumps(meta, indent=1).encode())
         fsync_dir(tmp)
-        if (root / name).exists():
+        if os.path.lexists(root / name):
             raise CheckpointError(f"{root / name} exists; convert into an empty directory")
         tmp.rename(root / name)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
-    fsync_write(root / f"{LATEST}.tmp", name.encode())
-    (root / f"{LATEST}.tmp").rename(root / LATEST)
-    fsync_dir(root)
+    replace_latest(root, name)
     return [root / name / f for f in [*files, META]] + [root / LATEST]

@@ -26,7 +26,6 @@ import functools
 import hashlib
 import json
 import mmap as mmap_module
-import os
 import pickle
 import re
 import sys
@@ -37,6 +36,8 @@ from typing import Any, Callable
 import torch
 
 from zerodp import comm
+from zerodp.checkpoint import safe_io
+from zerodp.checkpoint.safe_io import torch_save_fresh, write_bytes_fresh
 from zerodp.zero.topology import NodeLayout
 
 FORMAT_VERSION = 1
@@ -90,35 +91,25 @@ def sha256(path: Path) -> str:
 
 
 def fsync_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` and force it to disk."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write `data` to a fresh `path` (never through a link there) and force it to disk."""
+    write_bytes_fresh(path, data)
 
 
 def torch_save_synced(obj: Any, path: Path) -> None:
-    """torch.save to `path`, then fsync."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    """torch.save to a fresh `path` (never through a link there), then fsync."""
+    torch_save_fresh(obj, path)
 
 
 def fsync_dir(path: Path) -> None:
     """Make a rename inside `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    safe_io.fsync_dir(path)
 
 
 def replace_latest(root: Path, tag: str) -> None:
-    """Point `root/latest` at `tag`, atomically (latest.tmp, fsync, rename, fsync the directory)."""
-    fsync_write(root / f"{LATEST}.tmp", tag.encode())
-    (root / f"{LATEST}.tmp").rename(root / LATEST)
-    fsync_dir(root)
+    """Point `root/latest` at `tag`, atomically (latest.tmp created fresh, fsync, rename, fsync the
+    directory); a link at latest.tmp or latest is replaced, never written through."""
+    data = tag.encode()
+    safe_io.replace_atomically(root / LATEST, lambda f: f.write(data), len(data))
 
 
 def complete_tags(root: Path, candidates: list[str]) -> dict[str, int]:

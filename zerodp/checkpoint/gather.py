@@ -14,13 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 from zerodp.checkpoint.convert import resolve_tag_dir
 from zerodp.checkpoint.format import (ENGINE, META, CheckpointError, complete_tags, fsync_dir, fsync_write,
                                       newest_everywhere, read_meta, replace_latest)
+from zerodp.checkpoint.safe_io import discard, fresh_dir, output_inside_input, write_fresh
 
 Progress = Callable[[int, int], None]  # (bytes copied, bytes in all)
 
@@ -34,12 +34,13 @@ def gather_checkpoint(host_dirs: list[str | Path], out_dir: str | Path, tag: str
     base = _check_same_save(sources, metas)
     holder = _holder_of_every_file(sources, base)
     out_root = Path(out_dir)
+    problem = output_inside_input(out_root, [Path(d) for d in host_dirs], "--out")
+    if problem:
+        raise CheckpointError(problem)
     final = out_root / sources[0].name
-    if final.exists():
+    if os.path.lexists(final):
         raise CheckpointError(f"{final} exists already; gather into another directory, or remove it first")
-    tmp = out_root / f"{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # a gather interrupted earlier
-    tmp.mkdir(parents=True)
+    tmp = fresh_dir(out_root / f"{final.name}.tmp")  # a gather interrupted earlier, or a link: replaced
     try:
         files = dict(base["files"])
         files[ENGINE] = metas[holder[ENGINE]]["files"][ENGINE]
@@ -56,7 +57,7 @@ def gather_checkpoint(host_dirs: list[str | Path], out_dir: str | Path, tag: str
         tmp.rename(final)
         replace_latest(out_root, final.name)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
     return final
 
@@ -111,14 +112,16 @@ def _holder_of_every_file(sources: list[Path], meta: dict) -> dict[str, int]:
 
 
 def _copy_checked(src: Path, dest: Path, expected_sha256: str) -> None:
-    """Copy `src` to `dest`, fsynced, hashing as it goes; a file that differs from its sha256 fails."""
+    """Copy `src` to a fresh `dest`, fsynced, hashing as it goes; a file that differs from its sha256 fails."""
     digest = hashlib.sha256()
-    with open(src, "rb") as fin, open(dest, "wb") as fout:
-        for block in iter(lambda: fin.read(1 << 24), b""):
-            digest.update(block)
-            fout.write(block)
-        fout.flush()
-        os.fsync(fout.fileno())
+
+    def copy(fout: BinaryIO) -> None:
+        with open(src, "rb") as fin:
+            for block in iter(lambda: fin.read(1 << 24), b""):
+                digest.update(block)
+                fout.write(block)
+
+    write_fresh(dest, copy, src.stat().st_size)
     if digest.hexdigest() != expected_sha256:
         raise CheckpointError(f"{src} is corrupt: its sha256 differs from the one in its meta.json (truncated or "
                               "modified after the save); copy it from its host again")

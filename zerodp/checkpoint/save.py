@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from zerodp import comm
 from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, META, CheckpointError, check_tag,
                                       file_rank, fsync_dir, fsync_write, on_every_rank, rank_file, rank_file_order,
                                       replace_latest, rng_file, sha256, torch_save_synced)
+from zerodp.checkpoint.safe_io import discard, fresh_dir, remove_entry, write_bytes_fresh
 from zerodp.log import log_rank0, logger
 from zerodp.zero.base import elementwise_state
 from zerodp.zero.shard_state import COUNTERS, ShardState
@@ -66,7 +66,7 @@ def save_checkpoint(shard: ShardState, save_dir: str, tag: str | None = None, cl
                 on_every_rank(lambda: replace_latest(root, tag) if leads else None)
         except BaseException:
             if leads:  # every rank is past its writes: each raised from the same on_every_rank
-                shutil.rmtree(tmp, ignore_errors=True)
+                discard(tmp)
             raise
     log_rank0("saved checkpoint %s", root / tag)
     return True
@@ -105,7 +105,7 @@ def _storage(root: Path, node_local: bool) -> Storage:
     def write_probe() -> None:
         if probe is not None:
             root.mkdir(parents=True, exist_ok=True)
-            probe.touch()
+            write_bytes_fresh(probe, b"")
 
     on_every_rank(write_probe)
     seen = [k for k in range(len(layout.nodes)) if (root / f".zerodp_probe_{nonce}_{k}").exists()]
@@ -143,8 +143,7 @@ def _storage_problem(root: Path, layout: NodeLayout, sees: dict[int, list[int]],
 
 def _make_empty(tmp: Path, storage: Storage) -> None:
     storage.clean_up_probe()  # every host has looked
-    shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
-    tmp.mkdir(parents=True)
+    fresh_dir(tmp)  # a crashed earlier attempt's, or a link: see safe_io's [Note: no write through a link]
 
 
 def _all_ranks_called(what: str) -> None:
@@ -329,12 +328,12 @@ def _publish(shard: ShardState, root: Path, tag: str, tmp: Path, digests: dict, 
     fsync_write(tmp / META, json.dumps(meta, indent=1).encode())
     fsync_dir(tmp)
     final = root / tag
-    if final.exists():  # saving the same tag again: move the old one aside first
+    if os.path.lexists(final):  # saving the same tag again (or a link there): move the old one aside first
         old = root / f"{tag}.old"
-        shutil.rmtree(old, ignore_errors=True)
+        remove_entry(old)  # never followed: a link there is unlinked
         final.rename(old)
         tmp.rename(final)
-        shutil.rmtree(old)
+        remove_entry(old)
     else:
         tmp.rename(final)
     fsync_dir(root)

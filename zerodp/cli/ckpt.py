@@ -72,6 +72,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from zerodp.checkpoint.convert import hf_config_problem
     from zerodp.checkpoint.deepspeed import find_tag_dir
     from zerodp.checkpoint.format import CheckpointError
+    from zerodp.checkpoint.safe_io import output_inside_input
 
     try:
         is_deepspeed = Path(args.dir).is_dir() and find_tag_dir(Path(args.dir), args.tag) is not None
@@ -79,6 +80,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         is_deepspeed, problem = False, str(err)
     else:
         problem = _convert_source_problem(args, is_deepspeed)
+    problem = output_inside_input(args.out, [args.dir], "OUT") or problem
     problem = problem or (hf_config_problem(args.hf_config) if args.hf_config else None)
     if problem:  # before any weight is written
         print(f"zerodp ckpt convert: {problem}", file=sys.stderr)
@@ -132,7 +134,12 @@ def cmd_gather(args: argparse.Namespace) -> int:
     """One checkpoint from every host's directory of a node-local save; its path on stdout."""
     from zerodp.checkpoint.format import CheckpointError
     from zerodp.checkpoint.gather import gather_checkpoint
+    from zerodp.checkpoint.safe_io import output_inside_input
 
+    problem = output_inside_input(args.out, args.dirs, "--out")
+    if problem:  # before anything is written
+        print(f"zerodp ckpt gather: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     bar: list = []
     try:
         out = gather_checkpoint(args.dirs, args.out, args.tag, _progress_into(bar))
