@@ -14,6 +14,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from zerodp.config.rules import show_value
+
 
 @dataclass(frozen=True)
 class TrainerArgs:
@@ -46,8 +48,8 @@ class Filled:
     source: str
 
     def describe(self) -> str:
-        """`zero_optimization.reduce_bucket_size = 4194304 (hidden_size 2048 ** 2)`."""
-        return f"{self.path} = {self.value!r} ({self.source})"
+        """`zero_optimization.reduce_bucket_size = 4194304 (hidden_size 2048 ** 2)`, values as in JSON."""
+        return f"{self.path} = {show_value(self.value)} ({self.source})"
 
 
 def _plan(args: TrainerArgs, zero3: bool) -> list[tuple[str, Any, str]]:
@@ -67,8 +69,8 @@ def _plan(args: TrainerArgs, zero3: bool) -> list[tuple[str, Any, str]]:
         ("optimizer.params.weight_decay", args.weight_decay, "weight_decay"),
         ("scheduler.params.warmup_min_lr", 0, "always 0"),
         ("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate"),
-        ("fp16.enabled", args.dtype == "fp16", f"--fp16 ({'on' if args.dtype == 'fp16' else 'off'})"),
-        ("bf16.enabled", args.dtype == "bf16", f"--bf16 ({'on' if args.dtype == 'bf16' else 'off'})"),
+        ("fp16.enabled", args.dtype == "fp16", f"--fp16 {'on' if args.dtype == 'fp16' else 'off'}"),
+        ("bf16.enabled", args.dtype == "bf16", f"--bf16 {'on' if args.dtype == 'bf16' else 'off'}"),
         ("zero_optimization.reduce_bucket_size", h * h, f"hidden_size {h} ** 2"),
     ]
     if zero3:
@@ -99,10 +101,27 @@ def fill_hf_auto(raw: dict[str, Any], args: TrainerArgs) -> tuple[dict[str, Any]
     return filled_raw, filled
 
 
-def holds_auto(value: Any) -> bool:
-    """Whether "auto" appears anywhere in `value` (a config dict, list or scalar)."""
+def trainer_mismatches(raw: dict[str, Any], args: TrainerArgs, paths: set[str]) -> list[str]:
+    """The Trainer's refusals among `paths`: a key set to a value (not "auto") that differs from the
+    TrainingArguments value it would fill, which transformers reports as "DeepSpeed config values
+    that mismatch TrainingArguments values" and refuses."""
+    zero = raw.get("zero_optimization")
+    problems = []
+    for path, value, source in _plan(args, isinstance(zero, dict) and zero.get("stage") == 3):
+        node: Any = raw
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if path in paths and node is not None and node != "auto" and node != value:
+            problems.append(f"{path}: {show_value(node)}, but the Trainer's {source} gives {show_value(value)}; "
+                            'the Hugging Face Trainer refuses the mismatch: set it to "auto" or change the argument')
+    return problems
+
+
+def holds_auto(value: Any, path: str = "") -> bool:
+    """Whether a Hugging Face "auto" appears anywhere in `value` (a config dict, list or scalar);
+    data_types.keep_in_fp32_modules: "auto" is a DeepSpeed value, not a placeholder."""
     if value == "auto":
-        return True
+        return path != "data_types.keep_in_fp32_modules"
     if isinstance(value, dict):
-        return any(holds_auto(item) for item in value.values())
-    return isinstance(value, list) and any(holds_auto(item) for item in value)
+        return any(holds_auto(item, f"{path}.{key}" if path else str(key)) for key, item in value.items())
+    return isinstance(value, list) and any(holds_auto(item, path) for item in value)

@@ -7,8 +7,9 @@
 `load_config` accepts what DeepSpeed accepts and catches what DeepSpeed lets through: a key within a
 few edits of a real key is an error with did-you-mean at every depth (DeepSpeed ignores top-level
 typos), other keys DeepSpeed ignores are ignored with one warning each, unless strict keys are on
-([Note: unknown keys] in zerodp/config/unknown.py); "auto" must have been resolved by an integration, keys DeepSpeed removed
-are reported with advice, features zerodp does not implement are accepted only at their defaults,
+([Note: unknown keys] in zerodp/config/unknown.py); "auto" must have been resolved by an
+integration, keys DeepSpeed removed are reported with advice, features zerodp does not implement are
+accepted only at their defaults,
 and the data-parallel world size is never assumed to be 1 (DeepSpeed does that when
 torch.distributed is not initialised, the source of its most common batch-size error).
 The schema and its defaults (DeepSpeed 0.19.8's code, not its docs) live in `zerodp.config.schema`.
