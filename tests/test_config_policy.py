@@ -10,6 +10,7 @@ monitor_config, which DeepSpeed ignores), Axolotl's deepspeed_configs/zero3_bf16
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -148,6 +149,10 @@ def test_strict_keys_off_by_default_and_its_own_section_is_checked(fresh_warning
     with pytest.raises(ConfigError) as info:
         load_config({"train_micro_batch_size_per_gpu": 1, "zerodp": {"strict_key": True}}, world_size=1)
     assert info.value.problems == ["zerodp.strict_key: unknown key; did you mean 'strict_keys'?"]
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_micro_batch_size_per_gpu": 1, "zerodp": {"colour_output": True}}, world_size=1)
+    assert info.value.problems == ["zerodp.colour_output: unknown key, not a DeepSpeed config key zerodp knows "
+                                   "('zerodp' is zerodp's own section: every key in it is checked)"]
     monkeypatch.setenv("ZERODP_STRICT_CONFIG", "yes")
     with pytest.raises(ConfigError, match=r"\$ZERODP_STRICT_CONFIG: got 'yes'; expected 1"):
         load_config({"train_micro_batch_size_per_gpu": 1}, world_size=1)
@@ -214,3 +219,40 @@ def test_auto_is_filled_as_the_trainer_fills_it(name: str, dtype: str) -> None:
     filled, notes = fill_hf_auto(raw, args)
     assert filled == _trainer_fill(raw, args)
     assert notes and all(n.path and n.source for n in notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stock configs train
+# ---------------------------------------------------------------------------------------------
+
+def _train_each(rank: int, world_size: int, configs: list[dict]) -> list[list[float]]:
+    """Losses of 2 steps (2 micro-batches each) per config, on a tiny model."""
+    import torch
+
+    import zerodp
+    from tests.models import make_model
+
+    losses = []
+    for config in configs:
+        data = [(torch.randint(0, 32, (8,)), torch.randint(0, 32, (8,))) for _ in range(16)]
+        engine, _, loader, _ = zerodp.initialize(model=make_model(), config=config, training_data=data)
+        steps = []
+        for idx, targets in list(loader)[:4]:
+            loss = engine(idx, targets)
+            engine.backward(loss)
+            engine.step()
+            steps.append(float(loss))
+        losses.append(steps)
+    return losses
+
+
+def test_stock_configs_train_a_tiny_model_at_two_ranks(fresh_warnings: None) -> None:
+    from tests.harness import run_ranks
+
+    names = sorted(p.name for p in CONFIGS.glob("*.json") if p.name != "tool_blocks.json")
+    optimizer = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # the Trainer would pass its own
+    configs = [{**fill_hf_auto(_raw(name), ARGS)[0], **optimizer} for name in names]
+    losses = run_ranks(_train_each, 2, args=(configs,), timeout=300)
+    for rank_losses in losses:  # each rank's own micro-batches
+        for name, per_config in zip(names, rank_losses):
+            assert len(per_config) == 4 and all(math.isfinite(loss) for loss in per_config), (name, per_config)

@@ -103,6 +103,7 @@ class Section(BaseModel):
     renamed_keys: ClassVar[dict[str, str]] = {}
     removed_keys: ClassVar[dict[str, tuple[str, str]]] = {}
     deepspeed_ignores_unknown: ClassVar[bool] = False
+    own_section: ClassVar[bool] = False
 
 
 def _short_name(field: str) -> Any:
@@ -443,6 +444,8 @@ _REMOVED_TOP_LEVEL: dict[str, tuple[str, str]] = {  # key: (feature, what to do)
 class ZeroDPOptionsConfig(Section):
     """`zerodp`: zerodp's own settings (DeepSpeed ignores this top-level key, so a config that has
     it still runs under DeepSpeed). Unknown keys inside it are always errors."""
+
+    own_section: ClassVar[bool] = True  # not DeepSpeed's: messages about its keys must not cite DeepSpeed
 
     # Every unknown key an error, also where DeepSpeed ignores it ($ZERODP_STRICT_CONFIG=1 does the
     # same); read by load_config before anything else (zerodp/config/unknown.py).

@@ -65,6 +65,9 @@ def handle_unknown_key(cls: type[Section], key: str, where: str, here: list[str]
         report.add(where, typo, failed=False)
     elif report.strict_keys:
         report.add(where, _loose_message(key, where, here, all_paths, _STRICT_WHY), failed=False)
+    elif cls.own_section:
+        report.add(where, _loose_message(key, where, here, all_paths, f"'{section}' is zerodp's own section: "
+                                         "every key in it is checked"), failed=False)
     elif not cls.deepspeed_ignores_unknown:
         why = f"DeepSpeed refuses unknown keys in '{section}' too"
         report.add(where, _loose_message(key, where, here, all_paths, why), failed=False)
@@ -77,7 +80,7 @@ def handle_unknown_key(cls: type[Section], key: str, where: str, here: list[str]
 
 def _comment_warning(cls: type[Section], where: str, section: str) -> str:
     text = f"DeepSpeed config key '{where}' starts with '_' (a comment): zerodp ignores it"
-    if cls.deepspeed_ignores_unknown:
+    if cls.deepspeed_ignores_unknown or cls.own_section:  # DeepSpeed ignores the whole zerodp section
         return text + ", as DeepSpeed does"
     return (text + f"; DeepSpeed refuses unknown keys inside '{section}', comments too: remove it before running "
             "this config under DeepSpeed")
