@@ -106,6 +106,9 @@ NO_EFFECT: dict[str, tuple[Any, str]] = {
                                                       "zerodp.zero.GatheredParameters to see full weights"),
     "zero_optimization.pipeline_loading_checkpoint": (False, _PIPE),
     "zero_optimization.log_trace_cache_warnings": (False, "stage 3 says when the unit order changes, always"),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": (False, "with NVMe offload every optimizer state of a "
+                                                                     "chunk is swapped together (DeepSpeed's Muon "
+                                                                     "is not built in)"),
     "zero_optimization.offload_optimizer.pipeline_read": (False, "NVMe reads always overlap the step"),
     "zero_optimization.offload_optimizer.pipeline_write": (False, "NVMe writes always overlap the step"),
     "zero_optimization.offload_optimizer.fast_init": (False, "swap files are written chunk by chunk at set-up"),

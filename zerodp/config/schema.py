@@ -309,6 +309,7 @@ class ZeroConfig(Section):
     pipeline_loading_checkpoint: bool = False
     log_trace_cache_warnings: bool = False
     enable_sanity_checks: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False  # Muon's momentum kept off NVMe (keys.py: no effect)
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
     zenflow: Optional[dict[str, Any]] = None  # ZenFlow: accepted only when absent
 
