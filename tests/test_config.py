@@ -266,7 +266,13 @@ def test_resolved_config_reloads_at_another_world_size(monkeypatch: pytest.Monke
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memmory": False}}},
      "zero_optimization.offload_optimizer.pin_memmory: unknown key; did you mean 'pin_memory'?"),
     ({"Gradient_Clipping": 1.0}, "Gradient_Clipping: unknown key; did you mean 'gradient_clipping'?"),
-    ({"frobnicate_everything": 1}, "frobnicate_everything: unknown key (not a DeepSpeed config key zerodp knows)"),
+    ({"zero_optimization": {"frobnicate_everything": 1}},
+     "zero_optimization.frobnicate_everything: unknown key, not a DeepSpeed config key zerodp knows "
+     "(DeepSpeed refuses unknown keys in 'zero_optimization' too)"),
+    ({"gradient_clipin": 1.0}, "gradient_clipin: unknown key; did you mean 'gradient_clipping'?"),
+    ({"zero_optimization": {"stage3_prefetch_buket_size": 10}},
+     "zero_optimization.stage3_prefetch_buket_size: unknown key; did you mean 'stage3_prefetch_bucket_size'?"),
+    ({"zero_optimization.stagee": 2}, "zero_optimization.stagee: unknown key; did you mean 'zero_optimization.stage'?"),
 ])
 def test_unknown_keys_with_did_you_mean(config: dict, expected: str) -> None:
     assert one_problem({TRAIN: 1, **config}) == expected
@@ -521,8 +527,9 @@ def test_stage3_aliases(short: str, long: str, value: object) -> None:
      'zero_optimization.offload_param.nvme_path: required when device is "nvme"'),
     ({"zero_optimization": {"stage": 2}, "gradient_allreduce_op": "sum"},
      'gradient_allreduce_op: "sum" is not supported by zerodp (zerodp averages gradients'),
-    ({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 10}},
-     "zero_optimization.stage3_max_reuse_distance: 10 is not supported by zerodp (units are not kept"),
+    ({"zero_optimization": {"stage": 2, "sub_group_size": 0, "offload_optimizer": {"device": "nvme",
+                                                                                   "nvme_path": "/tmp"}}},
+     "zero_optimization.sub_group_size: 0 is DeepSpeed's one sub-group per parameter, a stage-3 setting"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 0.5}}},
      'optimizer.params.max_grad_norm: not an optimizer parameter; set the top-level "gradient_clipping": 0.5 instead'),
     ({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True, "bf16_optimizer_states": True}},

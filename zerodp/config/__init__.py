@@ -9,6 +9,7 @@ zerodp.log. One module per concern:
     errors.py      ConfigError, and the report that collects problems before it is raised
     read.py        the input (dict / path / JSON string / args), the world size ($WORLD_SIZE), zero.Init's reads
     clean.py       the raw dict against the schema: removed keys, "auto", deprecated names, unknown keys
+    unknown.py     unknown keys: typos are errors, keys DeepSpeed ignores are warned about, strict keys
     schema.py      the pydantic models and DeepSpeed 0.19.8's defaults
     rules.py       cross-field rules and the message helpers every check shares
     keys.py        keys zerodp does not implement, or that change nothing here
@@ -16,6 +17,7 @@ zerodp.log. One module per concern:
     hparams.py     optimizer.params and scheduler.params
     schedulers.py  DeepSpeed's five schedulers' parameters and the checks on their values
     load.py        load_config: the order of the checks, every problem raised at once
+    hf_auto.py     "auto" filled as the Hugging Face Trainer fills it (for `zerodp config check`)
 """
 
 from zerodp.config.batch import BatchMath, batch_problems, consistent_choices

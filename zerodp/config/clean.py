@@ -1,7 +1,7 @@
 """Walking a raw config dict against the schema before pydantic sees it (step 2 of
 [Note: order of checks] in zerodp/config/load.py): keys DeepSpeed removed, unresolved "auto"
-values, deprecated names and legacy forms (upgraded, with a warning), and unknown keys (with a
-did-you-mean at the same level, or the one key of that name elsewhere in the schema).
+values, deprecated names and legacy forms (upgraded, with a warning), and unknown keys (a typo is an
+error with did-you-mean, a key DeepSpeed ignores is ignored with a warning: zerodp/config/unknown.py).
 
 `clean_section(ZeroDPConfig, raw, "", report)` returns the dict pydantic validates; every key it
 drops is in `report`.
@@ -16,8 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from zerodp.config.errors import Report, join_path
-from zerodp.config.rules import did_you_mean, show_value
+from zerodp.config.rules import show_value
 from zerodp.config.schema import Section, ZeroConfig, ZeroDPConfig
+from zerodp.config.unknown import handle_unknown_key
 from zerodp.log import warn_once
 
 # Keys whose value "auto" is a real DeepSpeed value, not a Hugging Face placeholder.
@@ -70,22 +71,6 @@ def _all_key_paths() -> tuple[str, ...]:
     return tuple(paths)
 
 
-def _unknown_key_message(key: str, path: str, here: list[str]) -> str:
-    """Did-you-mean at the same level first, else a key of the same name elsewhere in the schema."""
-    match = did_you_mean(key, here)
-    if match:
-        return f"unknown key; did you mean '{match}'?"
-    parent = path.rpartition(".")[0]
-    elsewhere: dict[str, list[str]] = {}
-    for full in _all_key_paths():
-        if full.rpartition(".")[0] != parent:
-            elsewhere.setdefault(full.rpartition(".")[2], []).append(full)
-    match = did_you_mean(key, list(elsewhere))
-    if match and len(elsewhere[match]) == 1:
-        return f"unknown key here; did you mean '{elsewhere[match][0]}'?"
-    return "unknown key (not a DeepSpeed config key zerodp knows)"
-
-
 def _drop_autos(value: Any, path: str, report: Report) -> Any:
     """Report "auto" anywhere inside a free-form dict or list, dropping the keys that hold one."""
     if isinstance(value, dict):
@@ -133,13 +118,13 @@ def clean_section(cls: type[Section], raw: dict[str, Any], path: str, report: Re
         elif key in cls.removed_keys:
             feature, action = cls.removed_keys[key]
             report.add(where, f"DeepSpeed 0.19 removed this key ({feature}); {action}", failed=False)
+        elif _rename(cls, key, path) not in keys:  # unknown keys first: an ignored key may hold "auto"
+            handle_unknown_key(cls, key, where, list(keys), _all_key_paths(), report)
         elif value == "auto" and where not in _AUTO_IS_A_VALUE:
             report.add(where, _AUTO_PROBLEM)
         else:
-            key = _rename(cls, key, path)
-            if key not in keys:
-                report.add(where, _unknown_key_message(key, where, list(keys)), failed=False)
-            elif keys[key] in seen:
+            key = _rename(cls, key, path, warn=True)
+            if keys[key] in seen:
                 report.add(where, f"sets the same option as '{join_path(path, seen[keys[key]])}'; keep one")
             else:
                 seen[keys[key]] = key
@@ -147,11 +132,13 @@ def clean_section(cls: type[Section], raw: dict[str, Any], path: str, report: Re
     return out
 
 
-def _rename(cls: type[Section], key: str, path: str) -> str:
+def _rename(cls: type[Section], key: str, path: str, warn: bool = False) -> str:
+    """The current name of `key` (its deprecated name mapped, with a warning when `warn`)."""
     new = cls.renamed_keys.get(key)
     if new is None:
         return key
-    warn_once(f"DeepSpeed config key '{join_path(path, key)}' is deprecated; use '{join_path(path, new)}'")
+    if warn:
+        warn_once(f"DeepSpeed config key '{join_path(path, key)}' is deprecated; use '{join_path(path, new)}'")
     return new
 
 
@@ -208,8 +195,9 @@ def _nest_dotted_keys(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _upgrade_zero(raw: dict[str, Any], path: str, report: Report) -> dict[str, Any]:
-    """cpu_offload / cpu_offload_param / cpu_offload_use_pin_memory -> the offload sections."""
-    raw = dict(raw)
+    """cpu_offload / cpu_offload_param / cpu_offload_use_pin_memory -> the offload sections; below
+    stage 3, "auto" in a stage3_ key is dropped (see _drop_stage3_autos)."""
+    raw = _drop_stage3_autos(dict(raw))
     for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         if old in raw:
             _upgrade_cpu_offload(raw, path, old, new, report)
@@ -227,6 +215,17 @@ def _upgrade_zero(raw: dict[str, Any], path: str, report: Report) -> dict[str, A
             if isinstance(raw.get(new), dict) and "pin_memory" not in raw[new]:
                 raw[new] = {**raw[new], "pin_memory": value}
     return raw
+
+
+def _drop_stage3_autos(raw: dict[str, Any]) -> dict[str, Any]:
+    """The Hugging Face Trainer fills "auto" in stage3_prefetch_bucket_size and
+    stage3_param_persistence_threshold at stage 3 only; below it DeepSpeed drops the leftover "auto"
+    (its default takes over) and so does zerodp: a stage3_ key changes nothing below stage 3."""
+    stage = raw.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, (int, float)) or stage >= 3:
+        return raw
+    return {key: value for key, value in raw.items()
+            if not (isinstance(key, str) and key.startswith("stage3_") and value == "auto")}
 
 
 def _upgrade_cpu_offload(raw: dict[str, Any], path: str, old: str, new: str, report: Report) -> None:

@@ -38,11 +38,13 @@ def join_path(path: str, key: str | int) -> str:
 
 
 class Report:
-    """Problems found so far, and the dotted key paths whose value could not be used."""
+    """Problems found so far, the dotted key paths whose value could not be used, and whether every
+    unknown key is an error (`strict_keys`, see zerodp/config/unknown.py; default False)."""
 
-    def __init__(self) -> None:
+    def __init__(self, strict_keys: bool = False) -> None:
         self.problems: list[str] = []
         self.failed: set[str] = set()
+        self.strict_keys = strict_keys
 
     def add(self, path: str, message: str, failed: bool = True) -> None:
         """Record "path: message"; `failed` marks the key's value as unusable for later checks."""

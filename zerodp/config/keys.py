@@ -61,7 +61,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
 }
 
 NOT_IMPLEMENTED_AT_STAGE_3: dict[str, tuple[Any, str]] = {
-    "zero_optimization.stage3_max_reuse_distance": (1_000_000_000, "units are not kept between calls"),
     "zero_optimization.stage3_module_granularity_threshold": (0, "units are chosen by module (set_z3_leaf_modules)"),
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": (False, "parameters are fetched with all-gather"),
 }
@@ -83,7 +82,13 @@ SWITCHED_SECTIONS: dict[str, tuple[str, str]] = {
 }
 
 NO_EFFECT: dict[str, tuple[Any, str]] = {
-    # path: (DeepSpeed's default, what zerodp does instead); warned about when set to another value
+    # path: (DeepSpeed's default, or a tuple of it and the values that describe what zerodp does, what
+    # zerodp does instead); warned about when set to another value
+    # A reuse distance of 0 is what zerodp does at any value; DeepSpeed's default 1e9 is in every stock
+    # config. Accepted, not refused: the distance trades memory for communication and changes no number.
+    "zero_optimization.stage3_max_reuse_distance": ((1_000_000_000, 0), "stage 3 releases a unit after each use, "
+                                                    "as DeepSpeed does at distance 0: a unit used again later in "
+                                                    "the step is gathered again"),
     "zero_optimization.contiguous_gradients": (True, "gradients always live in flat buffers"),
     "zero_optimization.overlap_comm": (True, "stage 2 and 3 always reduce gradient buckets while backward goes on "
                                              "(two in flight); stage 1 reduces once, at the boundary"),
@@ -101,6 +106,9 @@ NO_EFFECT: dict[str, tuple[Any, str]] = {
                                                       "zerodp.zero.GatheredParameters to see full weights"),
     "zero_optimization.pipeline_loading_checkpoint": (False, _PIPE),
     "zero_optimization.log_trace_cache_warnings": (False, "stage 3 says when the unit order changes, always"),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": (False, "with NVMe offload every optimizer state of a "
+                                                                     "chunk is swapped together (DeepSpeed's Muon "
+                                                                     "is not built in)"),
     "zero_optimization.offload_optimizer.pipeline_read": (False, "NVMe reads always overlap the step"),
     "zero_optimization.offload_optimizer.pipeline_write": (False, "NVMe writes always overlap the step"),
     "zero_optimization.offload_optimizer.fast_init": (False, "swap files are written chunk by chunk at set-up"),
@@ -122,6 +130,12 @@ NO_EFFECT: dict[str, tuple[Any, str]] = {
     "zero_force_ds_cpu_optimizer": (True, "zerodp steps any torch optimizer under offload (it warns when an Adam is "
                                           "not fused)"),
     "vocabulary_size": (None, "zerodp does not read the vocabulary size (a multiple of 8 helps tensor cores)"),
+}
+
+
+READ_BY_LOAD_CONFIG: dict[str, str] = {
+    # path: what it does; keys that act while the config is loaded, so the engine never reads them
+    "zerodp.strict_keys": "every unknown key is an error (zerodp/config/unknown.py)",
 }
 
 
@@ -171,5 +185,5 @@ def warn_keys_without_effect(cfg: ZeroDPConfig) -> None:
     changes nothing in zerodp."""
     for path, (default, instead) in NO_EFFECT.items():
         value, given = value_at(cfg, path)
-        if given and value != default:
+        if given and not _accepted(value, default):
             warn_once(f"{path}: {show_value(value)} has no effect in zerodp ({instead})")

@@ -4,9 +4,12 @@
     cfg.train_micro_batch_size_per_gpu, cfg.zero_optimization.stage, cfg.precision
     print(cfg.batch.describe())
 
-`load_config` is stricter than DeepSpeed: unknown keys are errors at every depth (DeepSpeed
-ignores top-level typos), "auto" must have been resolved by an integration, keys DeepSpeed removed
-are reported with advice, features zerodp does not implement are accepted only at their defaults,
+`load_config` accepts what DeepSpeed accepts and catches what DeepSpeed lets through: a key within a
+few edits of a real key is an error with did-you-mean at every depth (DeepSpeed ignores top-level
+typos), other keys DeepSpeed ignores are ignored with one warning each, unless strict keys are on
+([Note: unknown keys] in zerodp/config/unknown.py); "auto" must have been resolved by an
+integration, keys DeepSpeed removed are reported with advice, features zerodp does not implement are
+accepted only at their defaults,
 and the data-parallel world size is never assumed to be 1 (DeepSpeed does that when
 torch.distributed is not initialised, the source of its most common batch-size error).
 The schema and its defaults (DeepSpeed 0.19.8's code, not its docs) live in `zerodp.config.schema`.
@@ -14,7 +17,8 @@ The schema and its defaults (DeepSpeed 0.19.8's code, not its docs) live in `zer
 [Note: order of checks]
 1. read the input (dict / path / JSON string / ZeroDPConfig / args.deepspeed_config);
    unreadable JSON or duplicate keys stop here, since nothing after that can be trusted (read.py);
-2. walk the raw dict against the schema: removed keys, "auto", deprecated names, unknown keys (clean.py);
+   then whether strict keys are on (`zerodp.strict_keys`, $ZERODP_STRICT_CONFIG; unknown.py);
+2. walk the raw dict against the schema: removed keys, unknown keys, "auto", deprecated names (clean.py);
 3. pydantic validation (below); each failing key is dropped and validation repeated so that the
    remaining checks still run on a model (the failed key paths are remembered);
 4. cross-field rules (rules.py), keys zerodp does not implement (keys.py), optimizer and scheduler
@@ -39,6 +43,7 @@ from zerodp.config.keys import not_implemented_problems, warn_keys_without_effec
 from zerodp.config.read import read_input, resolve_world_size
 from zerodp.config.rules import hierarchy_problems, semantic_problems, show_value
 from zerodp.config.schema import ZeroDPConfig
+from zerodp.config.unknown import strict_keys_of
 from zerodp.log import warn_once
 
 # ---------------------------------------------------------------------------------------------
@@ -158,11 +163,15 @@ def load_config(config: Any = None, *, args: Any = None, world_size: int | None 
 
     Returns the validated ZeroDPConfig with train_batch_size, train_micro_batch_size_per_gpu and
     gradient_accumulation_steps resolved, plus `world_size` and `batch`.
-    Raises ConfigError listing every problem found (unknown keys with did-you-mean, types and
+    A key DeepSpeed ignores (`comms_config`, `_comment`, ...) is ignored with one warning naming it;
+    `"zerodp": {"strict_keys": true}` or $ZERODP_STRICT_CONFIG=1 make it an error.
+    Raises ConfigError listing every problem found (misspelt keys with did-you-mean, types and
     ranges, removed keys, "auto", unsupported features, cross-field rules, the batch rule).
     """
     raw, source, previous = read_input(config, args)
-    report = Report()
+    strict_keys, strict_problems = strict_keys_of(raw)
+    report = Report(strict_keys=strict_keys)
+    report.problems.extend(strict_problems)
     cleaned = clean_section(ZeroDPConfig, raw, "", report)
     cfg = _validate(cleaned, report)
     report.problems.extend(semantic_problems(cfg, report.usable))

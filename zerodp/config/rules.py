@@ -35,6 +35,30 @@ def did_you_mean(word: str, candidates: list[str]) -> str | None:
     return lowered[close[0]] if close else None
 
 
+def edit_distance(a: str, b: str) -> int:
+    """Insertions, deletions, substitutions and swaps of two neighbours that turn `a` into `b`
+    (Damerau-Levenshtein, optimal string alignment): "optimisation" -> "optimization" is 1."""
+    previous, current = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        before, previous, current = previous, current, [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1] and before is not None:
+                current[j] = min(current[j], before[j - 2] + 1)
+    return current[len(b)]
+
+
+def typo_of(word: str, candidates: list[str]) -> str | None:
+    """The candidate `word` is a typo of, or None: equal ignoring case, or at most
+    1 + len(word) // 10 edits away (`zero_optimisation`, `gradient_clipin`, `stage3_prefetch_buket_size`),
+    the closest first. Stricter than `did_you_mean`: `fp8` is not a typo of `fp16`, nor
+    `sequence_parallel` of `sequence_parallel_size`."""
+    allowed = 1 + len(word) // 10
+    scored = sorted((edit_distance(word.lower(), c.lower()), c) for c in candidates)
+    return scored[0][1] if scored and scored[0][0] <= allowed else None
+
+
 def hint(word: str, candidates: list[str]) -> str:
     """"; did you mean 'x'?" for the closest candidate, or "" if none is close."""
     match = did_you_mean(word, candidates)
@@ -89,6 +113,11 @@ def _offload_rules(cfg: ZeroDPConfig) -> list[str]:
     if opt is not None and opt.device != "none" and zero.stage == 0:
         problems.append(f"{where}.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3 "
                         f"({where}.stage is 0)")
+    if zero.sub_group_size == 0 and zero.stage in (1, 2) and opt is not None and opt.device == "nvme":
+        problems.append(f"{where}.sub_group_size: 0 is DeepSpeed's one sub-group per parameter, a stage-3 setting "
+                        "(DeepSpeed has no NVMe optimizer offload below stage 3); at stages 1-2 zerodp cuts each "
+                        "group's owned shard into swap chunks of sub_group_size elements, which 0 cannot size: "
+                        "set a chunk size, e.g. 1e8")
     for name, section in (("offload_param", param if zero.stage == 3 else None), ("offload_optimizer", opt)):
         if section is not None and section.device == "nvme" and not section.nvme_path:
             problems.append(f'{where}.{name}.nvme_path: required when device is "nvme" '
@@ -143,8 +172,8 @@ _RULES: tuple[tuple[tuple[str, ...], Callable[[ZeroDPConfig], list[str]]], ...] 
     (("bf16.bf16_master_weights_and_grads", "bf16.enabled",
       "bf16.bf16_optimizer_states", "zero_optimization.stage", "data_types.grad_accum_dtype"),
      _master_weight_rules),
-    (("zero_optimization.stage", "zero_optimization.offload_param", "zero_optimization.offload_optimizer"),
-     _offload_rules),
+    (("zero_optimization.stage", "zero_optimization.offload_param", "zero_optimization.offload_optimizer",
+      "zero_optimization.sub_group_size"), _offload_rules),
 
     (("optimizer.params.max_grad_norm", "log_level"), _misc_rules),
 )

@@ -89,16 +89,21 @@ Device = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_lower_case_d
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, types are strict.
+    """Base of every config section: types are strict, and pydantic sees only known keys.
 
     `renamed_keys` maps an old key name to its current name (applied, with a warning, by
     `load_config` before validation); `removed_keys` maps a key DeepSpeed removed to
-    (the feature it configured, what to do).
+    (the feature it configured, what to do). `deepspeed_ignores_unknown` says whether DeepSpeed
+    0.19.8 reads the section with dict.get (an unknown key is ignored there) rather than with a
+    pydantic model that forbids extra keys; load_config's policy for unknown keys follows it
+    (see [Note: unknown keys] in zerodp/config/unknown.py).
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
     renamed_keys: ClassVar[dict[str, str]] = {}
     removed_keys: ClassVar[dict[str, tuple[str, str]]] = {}
+    deepspeed_ignores_unknown: ClassVar[bool] = False
+    own_section: ClassVar[bool] = False
 
 
 def _short_name(field: str) -> Any:
@@ -147,6 +152,7 @@ class BF16Config(Section):
 class TorchAutocastConfig(Section):
     """`torch_autocast`: run the forward under torch.autocast."""
 
+    deepspeed_ignores_unknown: ClassVar[bool] = True  # DeepSpeed reads it with dict.get
     enabled: bool = False
     dtype: DType = None
     lower_precision_safe_modules: Optional[list[str]] = None
@@ -155,6 +161,7 @@ class TorchAutocastConfig(Section):
 class DataTypesConfig(Section):
     """`data_types`: dtypes that are not implied by the precision section."""
 
+    deepspeed_ignores_unknown: ClassVar[bool] = True  # DeepSpeed reads it with dict.get
     # None = the model's dtype, so bf16 training accumulates gradients in bf16 unless "fp32" is set.
     grad_accum_dtype: DType = None
     param_dtype: DType = None
@@ -171,6 +178,7 @@ class DataTypesConfig(Section):
 class OptimizerConfig(Section):
     """`optimizer`: `type` (case-insensitive) and the constructor keyword arguments `params`."""
 
+    deepspeed_ignores_unknown: ClassVar[bool] = True  # DeepSpeed reads it with dict.get
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
     legacy_fusion: bool = False
@@ -179,6 +187,7 @@ class OptimizerConfig(Section):
 class SchedulerConfig(Section):
     """`scheduler`: a DeepSpeed or torch.optim.lr_scheduler class name and its `params`."""
 
+    deepspeed_ignores_unknown: ClassVar[bool] = True  # DeepSpeed reads it with dict.get
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
 
@@ -255,7 +264,8 @@ class ZeroConfig(Section):
     elastic_checkpoint: bool = False
     offload_param: Optional[OffloadParamConfig] = None
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
-    sub_group_size: Int = Field(1_000_000_000, gt=0)  # [docs vs code] the docs example shows 1e12
+    # [docs vs code] the docs example shows 1e12. 0 is DeepSpeed's "one sub-group per parameter" (rules.py).
+    sub_group_size: Int = Field(1_000_000_000, ge=0)
     # [docs vs code] the docs say 5e8; the code has been 5e7 since at least v0.10.
     stage3_prefetch_bucket_size: Int = Field(
         50_000_000, ge=0, validation_alias=_alias("stage3_prefetch_bucket_size", "prefetch_bucket_size"))
@@ -299,6 +309,7 @@ class ZeroConfig(Section):
     pipeline_loading_checkpoint: bool = False
     log_trace_cache_warnings: bool = False
     enable_sanity_checks: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False  # Muon's momentum kept off NVMe (keys.py: no effect)
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
     zenflow: Optional[dict[str, Any]] = None  # ZenFlow: accepted only when absent
 
@@ -327,6 +338,7 @@ class ZeroConfig(Section):
 class ActivationCheckpointingConfig(Section):
     """`activation_checkpointing`: options of zerodp.checkpointing.checkpoint."""
 
+    deepspeed_ignores_unknown: ClassVar[bool] = True  # DeepSpeed reads it with dict.get
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
@@ -338,6 +350,7 @@ class ActivationCheckpointingConfig(Section):
 class AioConfig(Section):
     """`aio`: the NVMe swap I/O settings (block size, queue depth, threads)."""
 
+    deepspeed_ignores_unknown: ClassVar[bool] = True  # DeepSpeed reads it with dict.get
     renamed_keys: ClassVar[dict[str, str]] = {"thread_count": "intra_op_parallelism"}  # [changed] v0.16.4
 
     block_size: Int = Field(1_048_576, gt=0)
@@ -351,12 +364,14 @@ class AioConfig(Section):
 class ParallelWriteConfig(Section):
     """`checkpoint.parallel_write`."""
 
+    deepspeed_ignores_unknown: ClassVar[bool] = True  # DeepSpeed reads it with dict.get
     pipeline_stage: bool = False  # pipeline parallelism: accepted only at false
 
 
 class CheckpointConfig(Section):
     """`checkpoint`: tag validation and load options."""
 
+    deepspeed_ignores_unknown: ClassVar[bool] = True  # DeepSpeed reads it with dict.get
     tag_validation: Annotated[Literal["Warn", "Ignore", "Fail"],
                               BeforeValidator(lambda v: v.capitalize() if isinstance(v, str) else v)] = "Warn"
     load_universal: bool = False
@@ -379,6 +394,7 @@ class CommsLoggerConfig(Section):
 class FlopsProfilerConfig(Section):
     """`flops_profiler`: profile one step on rank 0."""
 
+    deepspeed_ignores_unknown: ClassVar[bool] = True  # DeepSpeed reads it with dict.get
     enabled: bool = False
     recompute_fwd_factor: float = Field(0.0, ge=0)
     profile_step: Int = Field(1, ge=1)
@@ -398,6 +414,7 @@ class ThroughputTimerConfig(Section):
 class TimersConfig(Section):
     """`timers`."""
 
+    deepspeed_ignores_unknown: ClassVar[bool] = True  # DeepSpeed reads it with dict.get
     throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
 
 
@@ -425,6 +442,17 @@ _REMOVED_TOP_LEVEL: dict[str, tuple[str, str]] = {  # key: (feature, what to do)
 }
 
 
+class ZeroDPOptionsConfig(Section):
+    """`zerodp`: zerodp's own settings (DeepSpeed ignores this top-level key, so a config that has
+    it still runs under DeepSpeed). Unknown keys inside it are always errors."""
+
+    own_section: ClassVar[bool] = True  # not DeepSpeed's: messages about its keys must not cite DeepSpeed
+
+    # Every unknown key an error, also where DeepSpeed ignores it ($ZERODP_STRICT_CONFIG=1 does the
+    # same); read by load_config before anything else (zerodp/config/unknown.py).
+    strict_keys: bool = False
+
+
 class ZeroDPConfig(Section):
     """A DeepSpeed config, validated. Build it with `zerodp.config.load_config`.
 
@@ -436,6 +464,7 @@ class ZeroDPConfig(Section):
 
     renamed_keys: ClassVar[dict[str, str]] = {"bfloat16": "bf16"}
     removed_keys: ClassVar[dict[str, tuple[str, str]]] = _REMOVED_TOP_LEVEL
+    deepspeed_ignores_unknown: ClassVar[bool] = True  # DeepSpeed reads the top level with dict.get
 
     # Batch (reference §2.1): resolved by load_config.
     train_batch_size: Optional[Int] = Field(None, gt=0)
@@ -478,6 +507,7 @@ class ZeroDPConfig(Section):
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     timers: TimersConfig = Field(default_factory=TimersConfig)
+    zerodp: ZeroDPOptionsConfig = Field(default_factory=ZeroDPOptionsConfig)
 
     # DeepSpeed features zerodp does not implement: accepted only at their defaults/absent;
     # load_config reports any other value. The contents of an absent/disabled section are unused.
