@@ -16,13 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from zerodp.config.errors import Report, join_path
+from zerodp.config.hf_auto import AUTO_IS_A_VALUE, holds_auto
 from zerodp.config.rules import show_value
 from zerodp.config.schema import Section, ZeroConfig, ZeroDPConfig
 from zerodp.config.unknown import handle_unknown_key
 from zerodp.log import warn_once
 
-# Keys whose value "auto" is a real DeepSpeed value, not a Hugging Face placeholder.
-_AUTO_IS_A_VALUE = frozenset({"data_types.keep_in_fp32_modules"})
 # Free-form sections zerodp never reads (unsupported features): not searched for "auto".
 _UNREAD_SECTIONS = frozenset({
     "pipeline", "autotuning", "tensorboard", "wandb", "csv_monitor", "comet", "hybrid_engine",
@@ -77,20 +76,12 @@ def _drop_autos(value: Any, path: str, report: Report) -> Any:
         kept = {}
         for key, item in value.items():
             where = join_path(path, key)
-            if _holds_auto(item):
+            if holds_auto(item, where):
                 _report_autos(item, where, report)
             else:
                 kept[key] = item
         return kept
     return value
-
-
-def _holds_auto(value: Any) -> bool:
-    if value == "auto":
-        return True
-    if isinstance(value, dict):
-        return any(_holds_auto(v) for v in value.values())
-    return isinstance(value, list) and any(_holds_auto(v) for v in value)
 
 
 def _report_autos(value: Any, path: str, report: Report) -> None:
@@ -120,7 +111,7 @@ def clean_section(cls: type[Section], raw: dict[str, Any], path: str, report: Re
             report.add(where, f"DeepSpeed 0.19 removed this key ({feature}); {action}", failed=False)
         elif _rename(cls, key, path) not in keys:  # unknown keys first: an ignored key may hold "auto"
             handle_unknown_key(cls, key, where, list(keys), _all_key_paths(), report)
-        elif value == "auto" and where not in _AUTO_IS_A_VALUE:
+        elif value == "auto" and where not in AUTO_IS_A_VALUE:
             report.add(where, _AUTO_PROBLEM)
         else:
             key = _rename(cls, key, path, warn=True)
@@ -146,7 +137,7 @@ def _clean_value(cls: type[Section], field: str, value: Any, path: str, report: 
     sub = _section_type(cls, field)
     if sub is not None and isinstance(value, dict):
         return clean_section(sub, value, path, report)
-    if path in _UNREAD_SECTIONS or path in _AUTO_IS_A_VALUE:
+    if path in _UNREAD_SECTIONS or path in AUTO_IS_A_VALUE:
         return value
     return _drop_autos(value, path, report)
 

@@ -117,11 +117,15 @@ def trainer_mismatches(raw: dict[str, Any], args: TrainerArgs, paths: set[str]) 
     return problems
 
 
+AUTO_IS_A_VALUE = frozenset({"data_types.keep_in_fp32_modules"})
+"""Keys whose value "auto" is a real DeepSpeed value, not a Hugging Face placeholder."""
+
+
 def holds_auto(value: Any, path: str = "") -> bool:
-    """Whether a Hugging Face "auto" appears anywhere in `value` (a config dict, list or scalar);
-    data_types.keep_in_fp32_modules: "auto" is a DeepSpeed value, not a placeholder."""
+    """Whether a Hugging Face "auto" appears anywhere in `value` (a config dict, list or scalar) at
+    dotted `path`; "auto" at a key of AUTO_IS_A_VALUE is DeepSpeed's own value, not a placeholder."""
     if value == "auto":
-        return path != "data_types.keep_in_fp32_modules"
+        return path not in AUTO_IS_A_VALUE
     if isinstance(value, dict):
         return any(holds_auto(item, f"{path}.{key}" if path else str(key)) for key, item in value.items())
     return isinstance(value, list) and any(holds_auto(item, path) for item in value)
