@@ -21,7 +21,7 @@ from typing import Iterator
 import pytest
 
 from zerodp.cli import main
-from zerodp.launcher import max_local_ranks, split_allow_oversubscribe
+from zerodp.launcher import max_local_ranks, nproc_alias, split_allow_oversubscribe
 
 GIB = 2**30
 RUNAWAY = str(10**5)  # more ranks than any machine this runs on can hold, by cores and by memory
@@ -89,6 +89,17 @@ def test_allow_oversubscribe_starts_them_anyway(command, tmp_path, nothing_start
     argv = _commands(tmp_path, RUNAWAY, ["--allow-oversubscribe"], ["--allow_oversubscribe"])[command]
     with pytest.raises(_Started):
         main(argv)
+
+
+@pytest.mark.parametrize("command,flag", [("run", "--nproc-per-node"), ("deepspeed", "--num_gpus")])
+def test_nproc_is_the_process_count_of_run_and_deepspeed_too(command, flag, tmp_path, capsys,
+                                                            nothing_starts) -> None:
+    """Issue 38's interface: `zerodp run|deepspeed|demo|compare ... --nproc N`."""
+    assert main([command, "--nproc", RUNAWAY, str(tmp_path / "train.py")]) == 2
+    assert capsys.readouterr().err.startswith(f"zerodp {command}: {flag} {RUNAWAY}: this machine can run at most ")
+    script_own = ["--nproc-per-node", "2", "train.py", "--nproc", "7"]
+    assert nproc_alias(script_own) == script_own  # after the script: the script's flag
+    assert nproc_alias(["--nproc=2", "train.py"]) == ["--nproc-per-node=2", "train.py"]
 
 
 def test_allow_oversubscribe_after_the_script_is_the_script_s_own() -> None:

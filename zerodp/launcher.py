@@ -129,6 +129,20 @@ def split_allow_oversubscribe(argv: list[str]) -> tuple[list[str], bool]:
     return (rest, True) if script in rest and rest.index(script) >= at else (argv, False)
 
 
+def nproc_alias(argv: list[str]) -> list[str]:
+    """`zerodp run ARGV` with `--nproc N` (the name `zerodp demo` and `compare` use for the process
+    count) given before the script spelt as torchrun's `--nproc-per-node N`; after the script it is the
+    script's own and stays."""
+    from torch.distributed.run import parse_args
+
+    at = next((i for i, arg in enumerate(argv) if arg == "--nproc" or arg.startswith("--nproc=")), None)
+    if at is None:
+        return argv
+    renamed = argv[:at] + ["--nproc-per-node" + argv[at][len("--nproc"):]] + argv[at + 1:]
+    script = parse_args(renamed).training_script
+    return renamed if script in renamed and renamed.index(script) > at else argv
+
+
 def launch(argv: list[str], allow_oversubscribe: bool = False, what: str | None = None) -> int:
     """Run torchrun with `argv` (see `torchrun_argv`) and ZERODP_AS_DEEPSPEED=1 (unless set); returns
     the exit code (0 when every worker succeeded). A --nproc-per-node beyond `max_local_ranks` is refused
@@ -166,7 +180,7 @@ def _deepspeed_parser() -> argparse.ArgumentParser:
         prog="zerodp deepspeed", description="DeepSpeed's `deepspeed` launcher flags over torchrun (ZERODP_AS_DEEPSPEED=1).",
         epilog="On several machines run it on each one with --no_ssh --node_rank R --num_nodes N --master_addr A "
                "(zerodp does not ssh into hosts).")
-    parser.add_argument("--num_gpus", "--num_accelerators", type=int, default=None,
+    parser.add_argument("--num_gpus", "--num_accelerators", "--nproc", type=int, default=None,
                         help="processes on this machine (default: the CUDA device count, 1 without CUDA)")
     parser.add_argument("--num_nodes", type=int, default=1, help="machines in the job (default 1)")
     parser.add_argument("--node_rank", type=int, default=0, help="this machine's index, with --no_ssh")

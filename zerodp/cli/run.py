@@ -21,12 +21,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_run(argv: list[str]) -> int:
     """`zerodp run ARGV`: torchrun with zerodp's defaults; the workers' exit code (2 for a process count
     this machine cannot hold without --allow-oversubscribe)."""
-    from zerodp.launcher import OversubscribeError, launch, split_allow_oversubscribe
+    from zerodp.launcher import OversubscribeError, launch, nproc_alias, split_allow_oversubscribe
 
     if not argv or argv[0] in ("-h", "--help"):
         print(_run_help())
         return EXIT_OK if argv else EXIT_USAGE
-    argv, allow_oversubscribe = split_allow_oversubscribe(argv)
+    argv, allow_oversubscribe = split_allow_oversubscribe(nproc_alias(argv))
     try:
         return launch(argv, allow_oversubscribe)
     except OversubscribeError as err:
@@ -51,5 +51,5 @@ def cmd_deepspeed(argv: list[str]) -> int:
 def _run_help() -> str:
     from zerodp import launcher
 
-    return ("usage: zerodp run [--allow-oversubscribe] [torchrun options] SCRIPT [script args]\n"
+    return ("usage: zerodp run [--allow-oversubscribe] [--nproc N] [torchrun options] SCRIPT [script args]\n"
             + (launcher.__doc__ or ""))
