@@ -34,6 +34,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                "for a 70B model)")
     estimate.add_argument("--largest-layer", default="0", metavar="N",
                           help="parameters of the largest module, for DeepSpeed's stage-3 figure beside zerodp's")
+    estimate.add_argument("--quantization", choices=["none", "nf4"], default="none",
+                          help="nf4: QLoRA, a 4-bit frozen base (bitsandbytes NF4, stored in the training dtype) with "
+                               "LoRA adapters, the only parameters that train (needs MODEL; model states only)")
+    estimate.add_argument("--lora-rank", default=None, metavar="R", help="adapter rank with --quantization nf4 (default 8)")
+    estimate.add_argument("--lora-targets", default="all-linear", metavar="NAMES",
+                          help="the Linear layers adapted: all-linear (default, as PEFT) or comma-separated module "
+                               "names such as q_proj,v_proj")
+    estimate.add_argument("--double-quant", action="store_true",
+                          help="bnb_4bit_use_double_quant: quantize the 4-bit statistics too (0.52 instead of 0.56 "
+                               "bytes per frozen weight)")
     estimate.add_argument("--json", action="store_true", help="print one JSON object per strategy and checkpointing policy")
     estimate.set_defaults(func=cmd_estimate)
 
@@ -77,10 +87,30 @@ def _model(args: argparse.Namespace, problems: list[str]) -> tuple[Any, Any, int
             problems.append(str(err))
     numel = parse_count(args.params) if args.params is not None else None
     if module is not None:
+        _quantize(args, module, problems)
         numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
     if args.params is not None and numel is None:
         problems.append(f"--params {args.params!r}: expected a number of parameters such as 7.5e9 or 7B")
     return work, module, numel
+
+
+def _quantize(args: argparse.Namespace, module: Any, problems: list[str]) -> None:
+    """--quantization nf4: make the meta model the one QLoRA trains (zerodp/plan/quantized.py)."""
+    from zerodp.plan.model_states import DTYPES
+    from zerodp.plan.quantized import QLoRA, apply_qlora
+    from zerodp.sizes import parse_count
+
+    if args.quantization == "none":
+        return
+    rank = parse_count(args.lora_rank) if args.lora_rank is not None else 8
+    if rank is None:
+        problems.append(f"--lora-rank {args.lora_rank}: expected a positive adapter rank such as 8 or 64")
+        return
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) or ("all-linear",)
+    try:
+        apply_qlora(module, QLoRA(rank, targets, args.double_quant), DTYPES[args.dtype])
+    except ValueError as err:
+        problems.append(str(err))
 
 
 def _counts(args: argparse.Namespace, problems: list[str]) -> tuple[int | None, int | None, int | None]:
@@ -114,6 +144,17 @@ def _seq_len(args: argparse.Namespace, work: Any, module: Any, problems: list[st
     """Tokens per sample of the simulated step; None when no step is simulated (model states only)."""
     from zerodp.sizes import parse_count
 
+    quantized = args.quantization != "none"
+    if quantized and args.model is None:
+        problems.append("--quantization nf4: give MODEL (a Hugging Face config, demo, ...): which weights are "
+                        "Linear layers decides what is quantized")
+    if quantized or args.lora_rank is not None or args.double_quant or args.lora_targets != "all-linear":
+        if not quantized:
+            problems.append("--lora-rank/--lora-targets/--double-quant: only with --quantization nf4")
+        if args.seq_len is not None or args.micro_batch != "1":
+            problems.append("--micro-batch/--seq-len: --quantization nf4 estimates model states only (a 4-bit "
+                            "step is not simulated)")
+        return None
     if work is not None and work.feeds(module) and not args.model_states_only:
         seq_len = parse_count(args.seq_len) if args.seq_len is not None else min(work.max_seq_len or 2048, 2048)
         if seq_len is None:
@@ -140,13 +181,13 @@ def _estimate(args: argparse.Namespace, numel: int, world: int, largest: int, mo
     progress = (lambda line: print(f"zerodp estimate: {line}", file=sys.stderr, flush=True)) if simulate else None
     try:
         rows = estimate_rows(numel, world, args.dtype, largest, module, simulate, micro_batch, seq_len or 0, policies,
-                             progress)
+                             progress, quantization=args.quantization)
     except ValueError as err:  # the model's own forward refused the input (a user's module:function)
         print(f"zerodp estimate: {err}", file=sys.stderr)
         return None
     except SimulationUnavailable as err:
         print(f"zerodp estimate: no peak estimate ({err}); model states only", file=sys.stderr)
-        return estimate_rows(numel, world, args.dtype, largest, module), None
+        return estimate_rows(numel, world, args.dtype, largest, module, quantization=args.quantization), None
     return rows, seq_len
 
 
@@ -156,7 +197,8 @@ def _print_estimate(args: argparse.Namespace, rows: list[dict], numel: int, worl
     top = max(max(r["model_states_bytes"], r["peak_bytes"] or 0) for r in rows)
     unit, scale = ("GB", 1e9) if top >= 1e9 else ("MB", 1e6)
     shape = f", micro-batch {micro_batch} x {seq_len} tokens" if seq_len else ""
-    print(f"memory per rank: {what}{numel:,} trainable parameters, Adam, {args.dtype}, {world} ranks{shape} "
+    base = f" (LoRA rank {args.lora_rank or 8}, the frozen base in NF4)" if args.quantization == "nf4" else ""
+    print(f"memory per rank: {what}{numel:,} trainable parameters{base}, Adam, {args.dtype}, {world} ranks{shape} "
           f"({unit} = 10^{round(math.log10(scale))} bytes)")
     peaks = seq_len is not None
     width = max(len(r["strategy"]) for r in rows)
@@ -173,11 +215,15 @@ def _print_estimate(args: argparse.Namespace, rows: list[dict], numel: int, worl
     failed = sorted({r["peak_error"] for r in rows if r.get("peak_error")})
     if failed:
         print(f"peak not estimated ('-') where the simulated step failed: {'; '.join(failed)}")
-    _print_footnotes(peaks)
+    _print_footnotes(peaks, args.quantization)
 
 
-def _print_footnotes(peaks: bool) -> None:
-    if peaks:
+def _print_footnotes(peaks: bool, quantization: str = "none") -> None:
+    if quantization == "nf4":
+        print("model states only (a 4-bit step is not simulated): the frozen base's packed NF4 weights are param16 "
+              "(sharded at stage 3), their quantization statistics a buffer held whole on every rank; only the LoRA "
+              "adapters have gradients, fp32 masters and Adam's state")
+    elif peaks:
         print("peak: the most bytes live at once on the device over two simulated training steps (zerodp's "
               "own engine on fake tensors: model states, activations, gathered units, buckets, the step's gradient copy; "
               "attention as a GPU's flash kernels run it; the allocator's fragmentation and the CUDA context come on top)")

@@ -28,13 +28,15 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
                   module: "torch.nn.Module | None" = None, work: Workload | None = None, micro_batch: int = 1,
                   seq_len: int = 0, policies: tuple[str, ...] = ("none",),
                   progress: Callable[[str], None] | None = None,
-                  initialize: EngineFactory | None = None) -> list[dict]:
+                  initialize: EngineFactory | None = None, quantization: str = "none") -> list[dict]:
     """One plain-data row per strategy (`zerodp estimate --json`) and activation checkpointing policy:
     model states on the device, in host memory and on NVMe, per rank (rank 0), DeepSpeed's figure
     beside, and with `work` (whose `module` was built on the meta device) the peak of one simulated
     training step at this micro-batch and sequence length (zerodp/plan/simulate.py); else one flat
     group of `numel` and `peak_bytes` None. `progress(line)` hears of each simulation; `initialize` builds
-    the simulated engines (default: zerodp.initialize; zerodp/plan/engines.py)."""
+    the simulated engines (default: zerodp.initialize; zerodp/plan/engines.py). `quantization` names how
+    `module`'s frozen base is stored ("nf4": zerodp/plan/quantized.py made it), for the rows and for
+    DeepSpeed's figure, which has no such case (None)."""
     simulated: dict = {}
     strategies = every_strategy(dtype)
     runs = len(policies) * len({s.device_twin() for s in strategies})
@@ -51,7 +53,9 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
                    "micro_batch": micro_batch if work is not None else None, "seq_len": seq_len if work is not None else None,
                    "model_states_bytes": states.bytes(DEVICE), "peak_bytes": None, "host_bytes": states.bytes(CPU),
                    "nvme_bytes": states.bytes(NVME), "by_category": {f"{c} ({t})": b for (c, t), b in states.held.items()},
-                   "deepspeed_bytes": deepspeed_estimate(numel, num_ranks, s, largest_layer),
+                   "quantization": quantization, "trainable_params": numel,
+                   "deepspeed_bytes": None if quantization != "none" else deepspeed_estimate(numel, num_ranks, s,
+                                                                                               largest_layer),
                    "strategy": s.describe()}
             if work is not None:
                 row.update(_peak_fields(simulated, work, s, num_ranks, micro_batch, seq_len, policy, runs, progress,
