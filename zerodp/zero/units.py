@@ -302,11 +302,32 @@ class Unit:
             return
         if self.state is UnitState.GATHERING:
             self.finish_gather()
+        self._check_params_are_views()
         for f in self.flats:
             for p in f.params:
                 p.data = self._empty
             f.free()
         self._enter(UnitState.SHARDED)
+
+    def _check_params_are_views(self) -> None:
+        """RuntimeError naming a parameter whose `.data` its module replaced while the unit was gathered.
+
+        [Note: a module that replaces its parameter's data]
+        A gathered parameter is a view of its unit's full buffer; releasing the unit keeps only this
+        rank's shard of that buffer. A module that assigns `weight.data = new` in its forward (bitsandbytes'
+        Linear4bit repacks its 4-bit weight so on a CPU with AVX512-BF16 when it runs in eval mode on an input
+        that needs no gradient, and marks its quant_state as repacked) would lose the new data at the release
+        while keeping its own bookkeeping, so the next gather would silently compute with the old layout.
+        Refused instead, on the first release."""
+        for f in self.flats:
+            for p, view in zip(f.params, f.views):
+                if view.numel() and (p.data.data_ptr() != view.data_ptr() or p.data.shape != view.shape):
+                    name = next((n for n, q in self.module.named_parameters() if q is p), f"of shape {tuple(view.shape)}")
+                    raise RuntimeError(
+                        f"stage 3: a module replaced the data of parameter {name} (unit {self.name}) while it was "
+                        "gathered, and zerodp keeps only the shards of the gathered values: the change would be lost. "
+                        "bitsandbytes' Linear4bit does this in eval mode on CPU (it repacks its 4-bit weight for "
+                        "inference): call model.train() before training, or use stage 0-2")
 
     @torch.no_grad()
     def take_values_from(self, src: int) -> None:
