@@ -151,3 +151,14 @@ def test_a_module_replacing_gathered_data_is_named() -> None:
     with pytest.raises(RankFailed, match=r"a module replaced the data of parameter weight \(unit blocks\.0\).*"
                                          r"call model\.train\(\)"):
         run_ranks(_replace_data, 2)
+
+
+def test_qlora_through_the_trainer_at_stage_3(tmp_path) -> None:
+    """tests/scripts/hf_qlora.py, unchanged user code under ZERODP_AS_DEEPSPEED=1: the Trainer trains a 4-bit
+    base's adapters at ZeRO-3, resumes bitwise, and save_model writes the trained adapter, which reloads."""
+    from tests.test_hf_integration import SCRIPTS, _launch, zerodp_run
+
+    result = _launch([*zerodp_run(), str(SCRIPTS / "hf_qlora.py"), str(tmp_path)], tmp_path)
+    assert len(result["losses"]) == 4 and result["resumed_losses"] == result["losses"][2:]
+    assert result["resumed_bitwise"] and result["num_lora"] == 28 and result["lora_changed"]
+    assert result["saved_matches"] and result["reloaded_matches"]
