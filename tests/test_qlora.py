@@ -49,13 +49,13 @@ def _batches(rank: int) -> list[torch.Tensor]:
     return [torch.randint(0, 128, (2, 16), generator=g) for _ in range(STEPS)]
 
 
-def _train(rank: int, base: str, stage: int) -> dict:
+def _train(rank: int, base: str, stage: int, **zero: dict) -> dict:
     import zerodp
 
     model = _qlora_model(base)
     config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero}}
     engine, *_ = zerodp.initialize(model=model, config=config,
                                    model_parameters=[p for p in model.parameters() if p.requires_grad])
     losses = []
@@ -70,7 +70,9 @@ def _train(rank: int, base: str, stage: int) -> dict:
 def _every_stage(rank: int, world_size: int, base: str) -> dict:
     first = _qlora_model(base)(input_ids=_batches(rank)[0], labels=_batches(rank)[0]).loss.item()
     runs = {stage: _train(rank, base, stage) for stage in (0, 1, 2, 3)}
-    return {"unpartitioned_first_loss": first, "runs": runs, "stage3_again": _train(rank, base, 3)["losses"]}
+    offload = _train(rank, base, 3, offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
+    return {"unpartitioned_first_loss": first, "runs": runs, "stage3_again": _train(rank, base, 3)["losses"],
+            "offload": offload}
 
 
 def _reference(base: str) -> list[float]:
@@ -96,6 +98,7 @@ def test_qlora_trains_alike_at_every_stage(base_dir: str) -> None:
         for stage in (1, 2, 3):
             assert runs[stage]["losses"] == runs[0]["losses"], (rank, stage)
         assert result["stage3_again"] == runs[3]["losses"], rank  # two identical runs, bitwise
+        assert result["offload"]["losses"] == runs[0]["losses"], rank  # the 4-bit shards on the host
     reference = _reference(base_dir)
     mean = [sum(r["runs"][3]["losses"][i] for r in results) / 2 for i in range(STEPS)]
     assert max(abs(a - b) for a, b in zip(mean, reference)) < REFERENCE_BAND, (mean, reference)
@@ -111,6 +114,7 @@ def test_qlora_trains_alike_at_every_stage(base_dir: str) -> None:
     held = [r["runs"] for r in results]
     assert held[0][0]["held"]["param16"]["device"] == packed + others
     assert sum(h[3]["held"]["param16"]["device"] for h in held) == packed + others
+    assert sum(r["offload"]["held"]["param16"]["cpu"] for r in results) == packed + others
 
 
 class _Replacing(torch.nn.Module):
