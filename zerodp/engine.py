@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from zerodp import checkpointing, comm
 from zerodp.accumulation import AccumulationClock
+from zerodp.checkpoint.async_save import AsyncCheckpointer
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ResumableDistributedSampler
 from zerodp.engine_accessors import EngineAccessors
@@ -106,6 +107,8 @@ class Engine(EngineAccessors, nn.Module):
         self.saved_activations_peak: dict[str, int] = {}  # ... of the last completed step
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) if training_data is not None else None
         self.doctor: PhaseWatcher = UNWATCHED  # api.initialize installs the OOM doctor (watch_phases)
+        self.async_saves = AsyncCheckpointer()  # saves written in the background: [Note: async checkpoint commit]
+        self._async_save_default = config.checkpoint.async_save
         _clear_strategy_grads_on_module_zero_grad(module, self)
 
     def watch_phases(self, watcher: "PhaseWatcher") -> None:
@@ -255,6 +258,7 @@ class Engine(EngineAccessors, nn.Module):
                     scale = self._take_model_step(lr_kwargs)
                 self.tput_timer.step_finished()
                 self._record_metrics(scale)
+                self.async_saves.poll()  # publish a finished async save; raise a failed one on every rank
 
     def _take_model_step(self, lr_kwargs: dict | None) -> float:
         """The boundary's work; returns the loss scale the step ran with."""
@@ -332,13 +336,29 @@ class Engine(EngineAccessors, nn.Module):
 
     @comm.records_to_own_ledger
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        async_save: bool | None = None) -> bool:
         """Save a sharded, crash-safe checkpoint into `save_dir/tag` (default tag
-        `global_step{N}`); call it on every rank. See docs/checkpoints.md."""
+        `global_step{N}`); call it on every rank. `async_save` (default: the config's
+        checkpoint.async_save): copy the state to host memory and write it on a background thread
+        while training continues (`wait_for_checkpoint()`). See docs/checkpoints.md."""
         from zerodp.checkpoint import save_checkpoint
 
+        if async_save not in (None, True, False):
+            raise ValueError(f"save_checkpoint(async_save={async_save!r}): expected True, False or None (the config's "
+                             f"checkpoint.async_save, here {self._async_save_default})")
         self._check_resident("save_checkpoint")
+        if self._async_save_default if async_save is None else async_save:
+            return self.async_saves.save(self.shard_state(), save_dir, tag, client_state or {}, save_latest,
+                                         exclude_frozen_parameters)
+        self.async_saves.wait()  # the previous async save is published first
         return save_checkpoint(self.shard_state(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    @comm.records_to_own_ledger
+    def wait_for_checkpoint(self) -> None:
+        """Block until the last async save is durable and published (`latest` names it); a failed
+        background write raises here, on every rank. Call it on every rank; no-op without one in flight."""
+        self.async_saves.wait()
 
     @comm.records_to_own_ledger
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
@@ -349,6 +369,7 @@ class Engine(EngineAccessors, nn.Module):
         from zerodp.checkpoint import load_checkpoint
 
         self._check_resident("load_checkpoint")
+        self.async_saves.wait()  # a save of this engine still being written is published first
         return load_checkpoint(self.shard_state(), load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
@@ -463,7 +484,8 @@ class Engine(EngineAccessors, nn.Module):
 
     def destroy(self) -> None:
         """Release what outlives Python's garbage collection: NVMe swap files (also removed at
-        interpreter exit, normal or by an exception; DeepSpeed's name)."""
+        interpreter exit, normal or by an exception; DeepSpeed's name), after publishing an async save in flight."""
+        self.async_saves.wait()
         self.strategy.close()
 
     def memory_report(self) -> dict:

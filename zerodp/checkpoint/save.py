@@ -26,7 +26,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -44,32 +44,125 @@ from zerodp.zero.topology import NodeLayout, node_layout
 def save_checkpoint(shard: ShardState, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     """Save a sharded checkpoint of this rank's `shard` (engine.shard_state()) into `save_dir/tag`
-    (every rank must call it). Returns True. See docs/checkpoints.md for the layout."""
+    (every rank must call it). Returns True. See docs/checkpoints.md for the layout. The three steps
+    (open, stage + write, commit) are the ones an async save (async_save.py) runs apart."""
+    with comm.ledger.outside_step():
+        target = open_save(shard, save_dir, tag, save_latest)
+        try:
+            staged = stage_save(shard, target, client_state or {}, exclude_frozen_parameters, _to_host)
+            written = on_every_rank(lambda: write_staged(staged))
+            commit_save(staged, written)
+        except BaseException:  # every rank is past its writes: each raised from the same on_every_rank
+            target.discard()
+            raise
+    return True
+
+
+@dataclass
+class SaveTarget:
+    """Where one save writes: `root/tag.tmp`, renamed to `root/tag` when every rank's files are in."""
+
+    root: Path
+    tag: str
+    tmp: Path
+    storage: "Storage"
+    save_latest: bool
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank does rank 0's part for its directory (see [Note: node-local storage])."""
+        return comm.get_rank() in self.storage.leaders
+
+    def discard(self) -> None:
+        """A leader removes TAG.tmp after a failure (call once every rank's writes have ended)."""
+        if self.leads:
+            discard(self.tmp)
+
+
+@dataclass
+class StagedSave:
+    """What one rank writes for a save, and the meta.json fields known before the files exist.
+    `rank_files` (name, pieces, payload) is lazy for a sync save (one batch of pieces in memory at a
+    time) and a list of host copies for an async one."""
+
+    target: SaveTarget
+    rank: int
+    rank_files: Iterable[tuple[str, int, dict]]
+    rng: dict
+    engine_state: dict | None  # a leader's engine.pt; None elsewhere
+    meta: dict  # meta.json, its "files" still empty
+    piece_indexes: list[list[tuple[str, int, int]]]  # every rank's, in file order
+
+
+@dataclass
+class Written:
+    """What a rank's writes left for the commit: its files' digest row, a leader's engine.pt digest."""
+
+    row: list[int]
+    engine_digest: dict | None
+
+
+def open_save(shard: ShardState, save_dir: str, tag: str | None, save_latest: bool) -> SaveTarget:
+    """Check that every rank called with the same tag, probe the storage, make an empty TAG.tmp
+    (collectives: the main thread only)."""
     tag = check_tag(tag if tag is not None else f"global_step{shard.counters['global_steps']}")
     root = Path(save_dir)
+    _all_ranks_called("save_checkpoint")
+    _check_tag_on_all_ranks(tag, shard.checkpoint_config.tag_validation)
+    storage = _storage(root, shard.checkpoint_config.use_node_local_storage)
+    target = SaveTarget(root, tag, root / f"{tag}.tmp", storage, save_latest)
+    on_every_rank(lambda: _make_empty(target.tmp, storage) if target.leads else storage.clean_up_probe())  # a barrier
+    return target
+
+
+def stage_save(shard: ShardState, target: SaveTarget, client_state: dict, exclude_frozen_parameters: bool,
+               copy: Callable[[torch.Tensor], torch.Tensor]) -> StagedSave:
+    """Everything this rank will write, with `copy` taking each piece's tensors to the host. Has
+    collectives (stage 3 gathers buffers; every rank's optimizer scalars are gathered)."""
     rank, world = comm.get_rank(), comm.get_world_size()
-    with comm.ledger.outside_step():
-        _all_ranks_called("save_checkpoint")
-        _check_tag_on_all_ranks(tag, shard.checkpoint_config.tag_validation)
-        storage = _storage(root, shard.checkpoint_config.use_node_local_storage)
-        leads = rank in storage.leaders  # does rank 0's part for its directory
-        tmp = root / f"{tag}.tmp"
-        on_every_rank(lambda: _make_empty(tmp, storage) if leads else storage.clean_up_probe())  # a barrier
-        try:
-            extra = _module_extra(shard, exclude_frozen_parameters)  # stage 3 gathers: every rank
-            extra_optimizer = _optimizer_state_of_all_ranks(shard.optimizer)  # a collective
-            files = on_every_rank(lambda: _write_files(shard, tmp, rank, world, leads, client_state or {},
-                                                       {**extra_optimizer, "module_extra": extra}))
-            digests = _gather_digests(tmp, files, world)
-            on_every_rank(lambda: _publish(shard, root, tag, tmp, digests, storage) if leads else None)
-            if save_latest:  # only once every directory holds TAG: see [Note: node-local storage]
-                on_every_rank(lambda: replace_latest(root, tag) if leads else None)
-        except BaseException:
-            if leads:  # every rank is past its writes: each raised from the same on_every_rank
-                discard(tmp)
-            raise
-    log_rank0("saved checkpoint %s", root / tag)
-    return True
+    extra = _module_extra(shard, exclude_frozen_parameters)
+    extra_optimizer = _optimizer_state_of_all_ranks(shard.optimizer)
+    engine_state = _engine_state(shard, client_state, {**extra_optimizer, "module_extra": extra}) if target.leads else None
+    meta = {"format_version": FORMAT_VERSION, "tag": target.tag, "stage": shard.stage, "world_size": world,
+            "precision": shard.precision, "optimizer": type(shard.optimizer).__name__,
+            "params": _trainable_shapes(shard), "tied": tied_names(shard.module), "files": {},
+            "global_steps": shard.counters["global_steps"]}
+    return StagedSave(target, rank, _rank_payloads(shard, rank, world, copy), _rng_state(), engine_state, meta,
+                      [shard.piece_index(r) for r in range(world)])
+
+
+def write_staged(staged: StagedSave) -> Written:
+    """Write this rank's files into TAG.tmp, each fresh and fsynced, and digest them. No collective:
+    an async save runs it on its writer thread."""
+    tmp = staged.target.tmp
+    own = []
+    for name, num_pieces, payload in staged.rank_files:
+        torch_save_synced(payload, tmp / name)
+        own.append((name, num_pieces))
+        del payload  # a sync save holds one batch of pieces at a time
+    torch_save_synced(staged.rng, tmp / rng_file(staged.rank))
+    own.append((rng_file(staged.rank), 0))
+    engine_digest = None
+    if staged.engine_state is not None:
+        torch_save_synced(staged.engine_state, tmp / ENGINE)
+        engine_digest = {"sha256": sha256(tmp / ENGINE), "bytes": (tmp / ENGINE).stat().st_size}
+    return Written(_digest_row(tmp, own), engine_digest)
+
+
+def commit_save(staged: StagedSave, written: Written) -> None:
+    """Gather every rank's digests, publish TAG (meta.json, rename) and replace `latest` (collectives:
+    the main thread only). See [Note: crash safety]."""
+    target = staged.target
+    digests = _gather_digests(written, comm.get_world_size())
+    on_every_rank(lambda: _publish(staged, digests) if target.leads else None)
+    if target.save_latest:  # only once every directory holds TAG: see [Note: node-local storage]
+        on_every_rank(lambda: replace_latest(target.root, target.tag) if target.leads else None)
+    log_rank0("saved checkpoint %s", target.root / target.tag)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A compact host copy (torch.save of a view would write its whole flat buffer)."""
+    return tensor.detach().to("cpu", copy=True)
 
 
 @dataclass(frozen=True)
@@ -167,32 +260,18 @@ def _check_tag_on_all_ranks(tag: str, policy: str) -> None:
     logger.warning(message)
 
 
-def _write_files(shard: ShardState, tmp: Path, rank: int, world: int, leads: bool, client_state: dict,
-                 extra: dict) -> list[tuple[str, int]]:
-    """This rank's shard files and RNG file; a leader (rank 0, or each host's first rank when
-    node-local) also engine.pt. Returns (name, pieces in it)."""
-    files = _write_rank_files(shard, tmp, rank, world)
-    if leads:
-        torch_save_synced(_engine_state(shard, client_state, extra), tmp / ENGINE)
-        files.append((ENGINE, 0))
-    return files
-
-
-def _write_rank_files(shard: ShardState, tmp: Path, rank: int, world: int) -> list[tuple[str, int]]:
-    """One file per batch of `resident_pieces` (one, or one per NVMe swap chunk), then the RNG file."""
+def _rank_payloads(shard: ShardState, rank: int, world: int,
+                   copy: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple[str, int, dict]]:
+    """(file name, pieces in it, contents) of this rank's shard files: one per batch of
+    `resident_pieces` (one, or one per NVMe swap chunk), each made when it is asked for."""
     parts = shard.num_piece_batches()
-    files = []
     for k, (_, make_pieces) in enumerate(shard.resident_pieces(saving=True)):
         pieces = make_pieces()
-        name = rank_file(rank, world, k if parts > 1 else None)
         data = [{"name": p.name, "offset": p.offset, "numel": p.numel,
-                 "tensors": {key: t.detach().to("cpu", copy=True) for key, t in p.tensors.items()}} for p in pieces]
-        torch_save_synced({"format_version": FORMAT_VERSION, "rank": rank, "world_size": world, "pieces": data},
-                          tmp / name)
-        files.append((name, len(pieces)))
+                 "tensors": {key: copy(t) for key, t in p.tensors.items()}} for p in pieces]
+        yield (rank_file(rank, world, k if parts > 1 else None), len(pieces),
+               {"format_version": FORMAT_VERSION, "rank": rank, "world_size": world, "pieces": data})
         del data
-    torch_save_synced(_rng_state(), tmp / rng_file(rank))
-    return [*files, (rng_file(rank), 0)]
 
 
 def _rng_state() -> dict:
@@ -270,10 +349,10 @@ def _scalar_state(optimizer: torch.optim.Optimizer, group: dict) -> dict:
     return {}
 
 
-def _gather_digests(tmp: Path, files: list[tuple[str, int]], world: int) -> dict[str, dict]:
+def _gather_digests(written: Written, world: int) -> dict[str, dict]:
     """Every rank's files' sha256, size and piece count, gathered to all ranks (rank 0 writes them
     to meta). A row per rank: [number of files, then per file: 4 sha256 words, bytes, pieces]."""
-    row = on_every_rank(lambda: _digest_row(tmp, [(name, n) for name, n in files if name != ENGINE]))
+    row = written.row
     device = comm.device_for_backend()
     width = int(comm.all_gather_rows(torch.tensor([len(row)], dtype=torch.int64, device=device)).max())
     gathered = comm.all_gather_rows(torch.tensor(row + [0] * (width - len(row)), dtype=torch.int64, device=device))
@@ -286,8 +365,8 @@ def _gather_digests(tmp: Path, files: list[tuple[str, int]], world: int) -> dict
             words = values[1 + 6 * j : 5 + 6 * j]
             digests[name] = {"sha256": b"".join(w.to_bytes(8, "little", signed=True) for w in words).hex(),
                              "bytes": values[5 + 6 * j], "num_pieces": values[6 + 6 * j]}
-    if any(name == ENGINE for name, _ in files):
-        digests[ENGINE] = {"sha256": sha256(tmp / ENGINE), "bytes": (tmp / ENGINE).stat().st_size}
+    if written.engine_digest is not None:
+        digests[ENGINE] = dict(written.engine_digest)
     return digests
 
 
@@ -301,11 +380,10 @@ def _digest_row(tmp: Path, own: list[tuple[str, int]]) -> list[int]:
     return row
 
 
-def _publish(shard: ShardState, root: Path, tag: str, tmp: Path, digests: dict, storage: Storage) -> None:
+def _publish(staged: StagedSave, digests: dict) -> None:
     """A leader: meta.json, then the rename that makes the checkpoint visible (see [Note: crash safety])."""
-    world = comm.get_world_size()
-    for r in range(world):
-        index = shard.piece_index(r)  # in file order: each part holds the next num_pieces of it
+    root, tag, tmp, storage = staged.target.root, staged.target.tag, staged.target.tmp, staged.target.storage
+    for r, index in enumerate(staged.piece_indexes):  # in file order: each part holds the next num_pieces of it
         for name in sorted((n for n in digests if n.startswith(f"rank_{r}_of_")), key=rank_file_order):
             count = digests[name].pop("num_pieces")
             digests[name]["pieces"], index = index[:count], index[count:]
@@ -313,14 +391,7 @@ def _publish(shard: ShardState, root: Path, tag: str, tmp: Path, digests: dict, 
             raise CheckpointError(f"rank {r}'s files hold fewer pieces than its layout lists ({len(index)} left)")
     for name in digests:
         digests[name].pop("num_pieces", None)
-    meta = {
-        "format_version": FORMAT_VERSION, "tag": tag, "stage": shard.stage,
-        "world_size": world, "precision": shard.precision, "optimizer": type(shard.optimizer).__name__,
-        "params": _trainable_shapes(shard),
-        "tied": tied_names(shard.module),
-        "files": digests,
-        "global_steps": shard.counters["global_steps"],
-    }
+    meta = {**staged.meta, "files": digests}
     if storage.node_local:
         meta["nodes"] = [{"host": name, "ranks": list(ranks), "files": [ENGINE, *sorted(
             n for n in digests if n != ENGINE and file_rank(n) in ranks)]}

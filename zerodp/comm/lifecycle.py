@@ -15,7 +15,7 @@ import sys
 import time
 import weakref
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -133,8 +133,24 @@ def settle_backend_threads(timeout_s: float) -> bool:
     return True
 
 
+_before_drain: list[Callable[[bool], None]] = []
+"""Work that must finish at exit before the drain, while the process group is still up (an async
+checkpoint's commit): each is called with whether the script failed."""
+
+
+def before_exit_drain(hook: Callable[[bool], None]) -> None:
+    """Call `hook(failed)` at interpreter exit, before the drain of collectives (`failed`: the script
+    ended with an uncaught exception). A hook may issue collectives; its errors are logged."""
+    _before_drain.append(hook)
+
+
 def _at_exit() -> None:
     failed = getattr(sys, "last_value", None) is not None  # the top-level handler of an uncaught error sets it
+    for hook in _before_drain:
+        try:
+            hook(failed)
+        except Exception:  # noqa: BLE001 - an exit has no caller left to raise to
+            logger.exception("at exit: %s failed", getattr(hook, "__qualname__", hook))
     if drain_pending(1.0 if failed else DRAIN_TIMEOUT_S):
         if dist.is_available() and dist.is_initialized() and not settle_backend_threads(0.5 if failed else 3.0):
             logger.debug("exiting while a backend thread is still busy")

@@ -369,7 +369,7 @@ class ParallelWriteConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """`checkpoint`: tag validation and load options."""
+    """`checkpoint`: tag validation, load options, and async saves."""
 
     deepspeed_ignores_unknown: ClassVar[bool] = True  # DeepSpeed reads it with dict.get
     tag_validation: Annotated[Literal["Warn", "Ignore", "Fail"],
@@ -378,6 +378,7 @@ class CheckpointConfig(Section):
     use_node_local_storage: bool = False
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
     checkpoint_serialization: bool = True
+    async_save: bool = False  # zerodp's: save_checkpoint copies to host memory and writes in the background
     writer: Optional[dict[str, Any]] = None  # DeepSpeed's fast writer: accepted only when absent
 
 
