@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import itertools
 import math
 import weakref
 from dataclasses import dataclass
@@ -77,14 +78,17 @@ class Fragment:
     grad: torch.Tensor | None
 
 
-_live_strategies: weakref.WeakSet[Strategy] = weakref.WeakSet()
-"""Every strategy alive in the process (two engines in one process, RLHF's, each have one), so the
-tensor-fragment API, which is given only a parameter, finds the strategy that trains it."""
+_live_strategies: weakref.WeakValueDictionary[int, Strategy] = weakref.WeakValueDictionary()
+"""Every strategy alive in the process by creation number (two engines in one process, RLHF's, each
+have one), so the tensor-fragment API, which is given only a parameter, finds the strategy that
+trains it: the newest, when a model was wrapped again and the old engine is not collected yet."""
+_strategy_numbers = itertools.count()
 
 
 def strategy_training(param: torch.Tensor) -> Strategy | None:
-    """The live strategy whose optimizer updates `param`, or None (frozen, forward only, not zerodp's)."""
-    return next((s for s in list(_live_strategies) if s.trains(param)), None)
+    """The newest live strategy whose optimizer updates `param`, or None (frozen, forward only, not zerodp's)."""
+    live = sorted(_live_strategies.items(), reverse=True)
+    return next((s for _, s in live if s.trains(param)), None)
 
 
 def index_of(tensors: list[torch.Tensor], tensor: torch.Tensor) -> int:
@@ -115,7 +119,7 @@ class Strategy(abc.ABC):
         self.param_home = Home.for_section(device, zero.offload_param)  # stage-3 parameter shards
         self.backward_pass = BackwardPass.IDLE  # [Note: backward pass states]
         self.accumulation = AccumulationClock()  # the engine's, once it hands it over (follow)
-        _live_strategies.add(self)
+        _live_strategies[next(_strategy_numbers)] = self
 
     # [Note: backward passes the engine did not start]
     # A backward can reach this strategy's hooks without engine.backward(): the user's own
