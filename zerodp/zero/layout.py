@@ -96,8 +96,9 @@ class GroupLayout:
         it): the tensor-fragment API's "local" piece (zero/fragments.py)."""
         offset, numel = self.offsets[index], self.numels[index]
         start, stop = self.owned_range(rank)
-        lo = min(max(start, offset), offset + numel)
-        hi = max(lo, min(stop, offset + numel))
+        lo, hi = max(start, offset), min(stop, offset + numel)
+        if lo >= hi:  # none of it: an empty piece at the start of the shard
+            return ParamSlice(index, 0, start, 0)
         return ParamSlice(index, lo - offset, lo, hi - lo)
 
     def slices_in(self, start: int, stop: int) -> list[ParamSlice]:
