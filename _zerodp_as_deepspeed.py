@@ -99,6 +99,20 @@ class _Alias(importlib.abc.Loader):
         # the import system has just set module.__spec__ to the alias's spec; the module keeps its own
         module.__spec__ = self.own_spec
 
+    def get_code(self, fullname: str):
+        """The code of the module `deepspeed.X` stands for, for `python -m deepspeed.X` (runpy runs it as
+        `__main__`, a fresh module, as it would run DeepSpeed's own file)."""
+        return self._target_loader().get_code(self.target)
+
+    def get_source(self, fullname: str) -> str | None:
+        return self._target_loader().get_source(self.target)
+
+    def is_package(self, fullname: str) -> bool:
+        return self._target_loader().is_package(self.target)
+
+    def _target_loader(self):
+        return importlib.util.find_spec(self.target).loader
+
 
 class _DeepSpeedDistribution(importlib.metadata.Distribution):
     """What importlib.metadata reports for `deepspeed` while the switch is on."""
@@ -144,7 +158,9 @@ class DeepSpeedAsZerodp(importlib.abc.MetaPathFinder):
             found = None
         if found is None:
             raise NotProvidedByZerodp(fullname)
-        return importlib.machinery.ModuleSpec(fullname, _Alias(target_name), is_package=found.submodule_search_locations is not None)
+        # origin: `python -m deepspeed.X` runs the file with __file__ set from it
+        return importlib.machinery.ModuleSpec(fullname, _Alias(target_name), origin=found.origin,
+                                              is_package=found.submodule_search_locations is not None)
 
     def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
         name = context.name

@@ -87,3 +87,25 @@ def _frozen_with_an_optimizer(rank: int, world: int):
 def test_an_optimizer_for_a_frozen_model_is_still_an_error() -> None:
     with pytest.raises(RankFailed, match="the model has no trainable parameters"):
         run_ranks(_frozen_with_an_optimizer, 1)
+
+
+def _held(rank: int, world: int, precision: str) -> dict:
+    import zerodp
+
+    engine, *_ = zerodp.initialize(model=make_model(), config=_config(0, precision))
+    return engine.memory_report()["held"]
+
+
+def test_the_inference_doc_names_the_ledger_rows_of_a_forward_only_engine() -> None:
+    """docs/inference.md once said a forward-only engine holds no fp32 masters while its fp32 ledger
+    shows `param32_master` (the category of fp32 weights, counted once); the doc must name each row."""
+    from pathlib import Path
+
+    section = (Path(__file__).resolve().parent.parent / "docs" / "inference.md").read_text()
+    section = section[section.index("## Forward-only engines"):section.index("## Generation at ZeRO-3")]
+    numel = sum(p.numel() for p in make_model().parameters())
+    for precision, weights, size in (("fp32", "param32_master", 4), ("bf16", "param16", 2)):
+        held = run_ranks(_held, 1, args=(precision,), timeout=120)[0]
+        assert set(held) <= {weights, "buffer"} and held[weights] == {"device": size * numel}, held
+        assert f"`{weights}`" in section, weights
+    assert "fp32 masters or optimizer state" not in section  # the old claim, contradicted by the ledger

@@ -60,6 +60,20 @@ def test_every_parameter_reassembles_from_its_slices_across_ranks(args) -> None:
     assert all(rebuilt[i] == list(range(n)) for i, n in enumerate(numels))
 
 
+@given(layouts)
+def test_owned_slice_is_the_parameters_piece_in_each_rank_shard(args) -> None:
+    # the tensor-fragment API's "local" piece: in rank order, the pieces are the whole parameter
+    numels, num_ranks, alignment = args
+    layout = group_layout(numels, num_ranks, alignment)
+    for i, n in enumerate(numels):
+        pieces = [layout.owned_slice(i, rank) for rank in range(num_ranks)]
+        assert [p for p in pieces if p.numel] == [s for rank in range(num_ranks)
+                                                  for s in layout.slices_in(*layout.owned_range(rank)) if s.index == i]
+        assert sum(p.numel for p in pieces) == n
+        assert all(p.index == i and layout.owned_range(r)[0] <= p.flat_offset
+                   and p.flat_offset + p.numel <= layout.owned_range(r)[1] for r, p in enumerate(pieces))
+
+
 @given(layouts, st.data())
 def test_owner_pieces_split_a_range_at_shard_boundaries(args, data) -> None:
     numels, num_ranks, alignment = args

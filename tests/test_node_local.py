@@ -153,4 +153,4 @@ def test_with_the_key_on_a_directory_every_host_shares_the_save_is_an_ordinary_s
     assert "nodes" not in meta and meta["global_steps"] == 1
     assert sorted(os.listdir(tmp_path / "global_step1")) == sorted(
         ["engine.pt", "meta.json", *(f"rank_{r}_of_4.pt" for r in range(4)), *(f"rng_{r}.pt" for r in range(4))])
-    assert sorted(os.listdir(tmp_path)) == ["global_step1", "latest"]  # the probes are gone
+    assert sorted(os.listdir(tmp_path)) == ["global_step1", "latest", "zero_to_fp32.py"]  # the probes are gone

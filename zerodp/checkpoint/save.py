@@ -34,6 +34,7 @@ from zerodp import comm
 from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, META, CheckpointError, check_tag,
                                       file_rank, fsync_dir, fsync_write, on_every_rank, rank_file, rank_file_order,
                                       replace_latest, rng_file, sha256, torch_save_synced)
+from zerodp.checkpoint.recovery_script import write_recovery_script
 from zerodp.checkpoint.safe_io import discard, fresh_dir, remove_entry, write_bytes_fresh
 from zerodp.log import log_rank0, logger
 from zerodp.zero.base import elementwise_state
@@ -407,6 +408,7 @@ def _publish(staged: StagedSave, digests: dict) -> None:
         remove_entry(old)
     else:
         tmp.rename(final)
+    write_recovery_script(root)  # DeepSpeed's `python zero_to_fp32.py . out/` beside the tags
     fsync_dir(root)
 
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import itertools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
 
@@ -63,6 +65,37 @@ class Piece:
     tensors: dict[str, torch.Tensor]
 
 
+@dataclass
+class Fragment:
+    """This rank's part of one trainable parameter, for the tensor-fragment API (zero/fragments.py):
+    elements [offset, offset + numel) of the flattened parameter (numel 0: it holds none). `tensors`
+    maps "master" and each element-wise optimizer state key to a flat view of live storage; `grad`
+    is the same elements of the reduced gradient, None until the boundary backward has reduced it."""
+
+    offset: int
+    numel: int
+    tensors: dict[str, torch.Tensor]
+    grad: torch.Tensor | None
+
+
+_live_strategies: weakref.WeakValueDictionary[int, Strategy] = weakref.WeakValueDictionary()
+"""Every strategy alive in the process by creation number (two engines in one process, RLHF's, each
+have one), so the tensor-fragment API, which is given only a parameter, finds the strategy that
+trains it: the newest, when a model was wrapped again and the old engine is not collected yet."""
+_strategy_numbers = itertools.count()
+
+
+def strategy_training(param: torch.Tensor) -> Strategy | None:
+    """The newest live strategy whose optimizer updates `param`, or None (frozen, forward only, not zerodp's)."""
+    live = sorted(_live_strategies.items(), reverse=True)
+    return next((s for _, s in live if s.trains(param)), None)
+
+
+def index_of(tensors: list[torch.Tensor], tensor: torch.Tensor) -> int:
+    """Position of `tensor` itself in `tensors` (list.index would compare values)."""
+    return next(i for i, t in enumerate(tensors) if t is tensor)
+
+
 class Strategy(abc.ABC):
     """Where params, grads and optimizer state live for one ZeRO stage, and how they move."""
 
@@ -86,6 +119,7 @@ class Strategy(abc.ABC):
         self.param_home = Home.for_section(device, zero.offload_param)  # stage-3 parameter shards
         self.backward_pass = BackwardPass.IDLE  # [Note: backward pass states]
         self.accumulation = AccumulationClock()  # the engine's, once it hands it over (follow)
+        _live_strategies[next(_strategy_numbers)] = self
 
     # [Note: backward passes the engine did not start]
     # A backward can reach this strategy's hooks without engine.backward(): the user's own
@@ -271,6 +305,25 @@ class Strategy(abc.ABC):
         for name, tensor in state.items():
             if name in current:
                 current[name].copy_(tensor)
+
+    # --- the tensor-fragment API (zero/fragments.py) ------------------------------------------------
+
+    def trains(self, param: torch.Tensor) -> bool:
+        """Whether this strategy's optimizer updates `param` (set up by wrap)."""
+        return False
+
+    def fragment(self, param: torch.Tensor) -> Fragment:
+        """This rank's part of trainable `param` (views of live storage)."""
+        raise NotImplementedError(f"{type(self).__name__} does not provide the tensor-fragment API")
+
+    def fragment_spans(self, param: torch.Tensor) -> list[tuple[int, int]] | None:
+        """(offset, numel) of the part of `param` each rank of `fragment_group()` holds, in group-rank
+        order; None when every rank holds all of it (nothing is partitioned)."""
+        return None
+
+    def fragment_group(self) -> object | None:
+        """The process group `fragment_spans` counts ranks in (None: every rank)."""
+        return None
 
     @abc.abstractmethod
     def ledger(self) -> MemoryLedger:

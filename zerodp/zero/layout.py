@@ -91,6 +91,16 @@ class GroupLayout:
             raise ValueError(f"rank {rank} is outside 0..{self.num_ranks - 1}")
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
+    def owned_slice(self, index: int, rank: int) -> ParamSlice:
+        """The part of parameter `index` inside `rank`'s owned shard (numel 0 when it owns none of
+        it): the tensor-fragment API's "local" piece (zero/fragments.py)."""
+        offset, numel = self.offsets[index], self.numels[index]
+        start, stop = self.owned_range(rank)
+        lo, hi = max(start, offset), min(stop, offset + numel)
+        if lo >= hi:  # none of it: an empty piece at the start of the shard
+            return ParamSlice(index, 0, start, 0)
+        return ParamSlice(index, lo - offset, lo, hi - lo)
+
     def slices_in(self, start: int, stop: int) -> list[ParamSlice]:
         """The pieces of parameters inside flat range [start, stop), in flat order."""
         pieces = []

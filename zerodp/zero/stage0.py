@@ -40,7 +40,7 @@ from torch import nn
 from zerodp import comm
 from zerodp.memory import Category, MemoryLedger, optimizer_state_tensors
 from zerodp.precision import first_nonfinite, has_inf_or_nan
-from zerodp.zero.base import OptimizerFactory, Piece, Strategy, elementwise_state
+from zerodp.zero.base import Fragment, OptimizerFactory, Piece, Strategy, elementwise_state
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.layout import assign_buckets, flat_offsets
@@ -205,6 +205,19 @@ class Stage0(Strategy):
             self._rebuild_in_ready_order()
         self.reduction = ReductionState.ACCUMULATING  # always legal: the next step starts over
         self.grads.zero()
+
+    # --- the tensor-fragment API (every rank holds every parameter whole) ------------------------------
+
+    def trains(self, param: torch.Tensor) -> bool:
+        return param in self.grads.offsets
+
+    def fragment(self, param: torch.Tensor) -> Fragment:
+        """The whole parameter: its master (the parameter itself in fp32), its optimizer state, and its
+        all-reduced gradient once the boundary backward has reduced it."""
+        target = param if self.masters is None else dict(zip(self.params, self.masters))[param]
+        grad = self.grads.view(param).reshape(-1) if self.reduction is ReductionState.REDUCED else None
+        return Fragment(0, param.numel(), {"master": target.data.view(-1), **elementwise_state(self.optimizer, target)},
+                        grad)
 
     # --- checkpoints ------------------------------------------------------------------------------
 

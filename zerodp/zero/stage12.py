@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterable
 
 import torch
@@ -47,7 +48,7 @@ from zerodp.offload.cpu import Home
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY
 from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_optimizer_state, swap_chunk_numel, swap_store
 from zerodp.precision import first_nonfinite
-from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, step_grad,
+from zerodp.zero.base import (Fragment, OptimizerFactory, index_of, Piece, Strategy, clip_coefficient, elementwise_state, step_grad,
                               stepping_in, sum_over_ranks_grad_stats)
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
@@ -269,6 +270,30 @@ class Stage12(Strategy):
             fg.flat_grad.zero()
             fg.owned_grad = None
 
+    # --- the tensor-fragment API -----------------------------------------------------------------------
+
+    def trains(self, param: torch.Tensor) -> bool:
+        return param in self.group_of
+
+    def fragment(self, param: torch.Tensor) -> Fragment:
+        """The part of `param` inside this rank's owned shard (zero/layout.py's owned_slice)."""
+        fg = self.group_of[param]
+        s = fg.layout.owned_slice(index_of(fg.params, param), self.rank)
+        lo = s.flat_offset - fg.owned.start
+        master = fg.masters[0]  # one chunk: NVMe offload (chunks) is refused by zero/fragments.py
+        state = {"master": master.data, **elementwise_state(self.optimizer, master)}
+        grad = fg.owned_grad[lo : lo + s.numel] if self.grads_reduced() else None
+        return Fragment(s.param_offset, s.numel, {k: v[lo : lo + s.numel] for k, v in state.items()}, grad)
+
+    def fragment_spans(self, param: torch.Tensor) -> list[tuple[int, int]]:
+        fg = self.group_of[param]
+        index = index_of(fg.params, param)
+        return [(s.param_offset, s.numel) for s in map(partial(fg.layout.owned_slice, index), range(self.num_ranks))]
+
+    def grads_reduced(self) -> bool:
+        """Whether this step's gradients are reduced into the owned shards (after the boundary backward)."""
+        return bool(self.groups) and self.groups[0].owned_grad is not None
+
     # --- checkpoints ------------------------------------------------------------------------------
 
     def pieces(self, saving: bool) -> list[Piece]:
@@ -355,6 +380,7 @@ class Stage2(Stage12):
         self.bucket_of = {p: k for k, (fg, b) in enumerate(buckets) for p in fg.params[b.first : b.last]}
         self.sequence = BucketSequence([b.last - b.first for _, b in buckets], lambda k: self._launch(*self.buckets[k]))
         self.in_flight: list[_InFlight] = []
+        self.boundary_reduced = False  # the owned shards hold a whole step's reduced gradient
 
     def before_backward(self, boundary: bool) -> None:
         self._stats = None
@@ -404,12 +430,17 @@ class Stage2(Stage12):
         self.sequence.launch_in_order(force=True)
         while self.in_flight:
             self._finish(self.in_flight.pop(0))
+        self.boundary_reduced = boundary  # the owned shards hold the step's whole gradient
+
+    def grads_reduced(self) -> bool:
+        return self.boundary_reduced
 
     def finish_reduction(self) -> None:
         """Nothing to do: every backward has already reduced its gradients."""
 
     def zero_grad(self) -> None:
         self._stats = None
+        self.boundary_reduced = False
         for fg in self.groups:
             fg.owned_grad.zero_()
 

@@ -27,7 +27,7 @@ from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY
 from zerodp.offload.param_swap import ParamSwapper
 from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_optimizer_state, swap_store
 from zerodp.precision import first_nonfinite
-from zerodp.zero.base import (OptimizerFactory, Piece, Strategy, clip_coefficient, elementwise_state, step_grad,
+from zerodp.zero.base import (Fragment, OptimizerFactory, index_of, Piece, Strategy, clip_coefficient, elementwise_state, step_grad,
                              stepping_in, sum_over_ranks_grad_stats)
 from zerodp.zero import pairing
 from zerodp.zero.buckets import BucketSequence
@@ -84,6 +84,7 @@ class Stage3(Stage3Hooks, Strategy):
         self.trace = UnitTrace()
         self._stats: torch.Tensor | None = None
         self.in_flight: list[tuple[Unit, torch.Tensor, torch.Tensor, object]] = []
+        self.boundary_reduced = False  # the owned gradient shards hold a whole step's reduced gradient
 
     # --- set-up ------------------------------------------------------------------------------------
 
@@ -251,6 +252,7 @@ class Stage3(Stage3Hooks, Strategy):
         if boundary and self._replicas_at_boundary:
             for unit in self._trainable():  # MiCS: the step's summed shard, once, across the replicas
                 comm.all_reduce(unit.owned_grad, group=self.partition.replica_group)
+        self.boundary_reduced = boundary  # the owned shards hold the step's whole gradient
         self.trace.end("backward")
         self.passes.end(PassKind.BACKWARD)
         if not self.sanity_checks:  # else the per-gather checks have run
@@ -332,10 +334,39 @@ class Stage3(Stage3Hooks, Strategy):
 
     def zero_grad(self) -> None:
         self._stats = None
+        self.boundary_reduced = False
         for unit in self._trainable():
             unit.owned_grad.zero_()
             for p in unit.trainable.params:
                 p.grad = None
+
+    # --- the tensor-fragment API -----------------------------------------------------------------------
+
+    def trains(self, param: torch.Tensor) -> bool:
+        return param in self.group_of
+
+    def fragment(self, param: torch.Tensor) -> Fragment:
+        """The part of `param` inside this rank's owned shard of its unit (zero/layout.py's owned_slice)."""
+        unit = self.unit_of[param]
+        f = unit.trainable
+        s = f.layout.owned_slice(index_of(f.params, param), self.partition.shard_rank)
+        lo = s.flat_offset - f.owned.start
+        # the optimizer tensor (one per optimizer group in the shard) that holds these elements
+        view_lo, view = next(((a, v) for (_, a, b, v) in self.optim_pieces_of.get(unit, []) if a <= lo < b),
+                             (lo, unit.master[lo:lo]))
+        state = elementwise_state(self.optimizer, view) if s.numel else {}
+        tensors = {"master": unit.master[lo : lo + s.numel],
+                   **{k: v[lo - view_lo : lo - view_lo + s.numel] for k, v in state.items()}}
+        grad = unit.owned_grad[lo : lo + s.numel] if self.boundary_reduced else None
+        return Fragment(s.param_offset, s.numel, tensors, grad)
+
+    def fragment_spans(self, param: torch.Tensor) -> list[tuple[int, int]]:
+        f = self.unit_of[param].trainable
+        index = index_of(f.params, param)
+        return [(s.param_offset, s.numel) for s in map(partial(f.layout.owned_slice, index), range(f.layout.num_ranks))]
+
+    def fragment_group(self) -> object | None:
+        return self.partition.shard_group
 
     # --- checkpoints -------------------------------------------------------------------------------------
 
