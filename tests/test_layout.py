@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zerodp.zero.layout import ParamSlice, assign_buckets, flat_offsets, group_layout, owner_pieces
+from zerodp.zero.layout import (ParamSlice, assign_buckets, assign_buckets_like_ddp, flat_offsets, group_layout,
+                                owner_pieces)
 
 numels = st.lists(st.integers(min_value=0, max_value=50), max_size=30)
 
@@ -26,6 +27,29 @@ def test_bucket_boundaries_by_hand() -> None:
     assert flat_offsets([3, 3, 3, 10, 1]) == [0, 3, 6, 9, 19]
     with pytest.raises(ValueError, match="bucket size must be positive"):
         assign_buckets([1], 0)
+
+
+@given(st.lists(st.integers(min_value=0, max_value=50), min_size=1, max_size=30), st.sampled_from([4, 2]), st.lists(st.integers(min_value=1, max_value=200), min_size=1, max_size=3))
+def test_ddp_buckets_are_torch_ddps_own_assignment(sizes: list[int], element_size: int, limits: list[int]) -> None:
+    """The same buckets as torch's C++ compute_bucket_assignment_by_size (what DDP's reducer calls),
+    so stage 0 sums every element at the position DDP's all-reduce does."""
+    import torch
+    import torch.distributed as dist
+
+    dtype = {4: torch.float32, 2: torch.bfloat16}[element_size]
+    tensors = [torch.empty(n, dtype=dtype) for n in sizes]
+    torch_buckets, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(sizes), list(range(len(sizes))))
+    mine = assign_buckets_like_ddp(sizes, element_size, tuple(limits))
+    assert [list(range(b.first, b.last)) for b in mine] == [list(b) for b in torch_buckets if b]
+    assert [b.start for b in mine] == [flat_offsets(sizes)[b.first] for b in mine]
+
+
+def test_ddp_buckets_by_hand() -> None:
+    # 1 MiB of fp32 is 262,144 elements: the first bucket closes at the entry that reaches it
+    assert [(b.first, b.last) for b in assign_buckets_like_ddp([200_000, 62_144, 10, 7_000_000, 5], 4)] == \
+        [(0, 2), (2, 4), (4, 5)]
+    with pytest.raises(ValueError, match="must be positive"):
+        assign_buckets_like_ddp([1], 4, ())
 
 
 layouts = st.tuples(st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=12),

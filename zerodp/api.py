@@ -153,14 +153,13 @@ def _check_partitioning(model: nn.Module, cfg: ZeroDPConfig) -> None:
 
 
 def _known_world_size() -> int | None:
-    """The data-parallel size if it is known without guessing: the process group's, or 1 for a
-    script run without a launcher (init_distributed then makes a 1-rank group). None lets the
-    config read $WORLD_SIZE."""
+    """The data-parallel size if it is known without guessing: the process group's, a Slurm or MPI
+    launch's, or 1 for a script run without a launcher (init_distributed then makes a 1-rank group).
+    None lets the config read $WORLD_SIZE (torchrun)."""
     if comm.is_initialized():
         return comm.get_world_size()
-    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
-        return 1
-    return None
+    launch = discover_launch_env(os.environ)
+    return None if launch.source == "torchrun" else launch.world_size
 
 
 def _scheduler_of(lr_scheduler: Any, cfg: ZeroDPConfig, strategy: Any, forward_only: str | None) -> Any:

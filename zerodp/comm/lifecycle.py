@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from zerodp import timers
-from zerodp.log import logger
+from zerodp.comm.launch_env import DEFAULT_MASTER_PORT, discover_launch_env
+from zerodp.log import logger, show_on_stderr
 from zerodp.ports import free_port
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -301,6 +302,7 @@ def init_distributed(
     init_method: str | None = None,
     rank: int = -1,
     world_size: int = -1,
+    distributed_port: int = DEFAULT_MASTER_PORT,
     **_deepspeed_only: object,
 ) -> None:
     """Initialise torch.distributed if it is not yet (DeepSpeed's `init_distributed`).
@@ -309,18 +311,18 @@ def init_distributed(
         dist_backend: "nccl" or "gloo"; default nccl on CUDA, gloo on CPU.
         timeout: collective timeout; default $ZERODP_TIMEOUT or 600 s.
         init_method: torch's init_method; default env:// (set by torchrun / `zerodp run`).
-        rank, world_size: explicit values; default from $RANK / $WORLD_SIZE.
-    A script started without a launcher (no $RANK/$WORLD_SIZE) becomes a 1-rank job on a free
-    local port. DeepSpeed-only arguments (auto_mpi_discovery, distributed_port, verbose, ...) are
-    accepted and ignored.
+        rank, world_size: explicit values; default from the launcher's environment.
+        distributed_port: the master port of a Slurm or MPI launch without $MASTER_PORT (default 29500).
+    The launcher is found from the environment (comm/launch_env.py's [Note: launch sources]):
+    torchrun's $RANK / $WORLD_SIZE, else Open MPI's or MPICH's mpirun, else Slurm's srun, whose
+    rank, size, local rank and master are exported as torchrun's variables; the log says which.
+    A script started without a launcher becomes a 1-rank job on a free local port. DeepSpeed-only
+    arguments (auto_mpi_discovery, verbose, ...) are accepted and ignored.
     """
     if dist.is_initialized():
         return
-    if rank < 0 and world_size < 0 and "RANK" not in os.environ and init_method is None:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        rank, world_size = 0, 1
-        logger.info("no launcher environment ($RANK unset): starting a 1-rank process group")
+    if rank < 0 and world_size < 0 and init_method is None:
+        rank, world_size = _from_launcher(distributed_port)
     backend = dist_backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -330,6 +332,25 @@ def init_distributed(
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(backend=backend, init_method=init_method, timeout=timeout, rank=rank,
                             world_size=world_size, store=store)
+
+
+def _from_launcher(distributed_port: int) -> tuple[int, int]:
+    """Read the launcher's environment, export a Slurm or MPI launch as torchrun's variables, and
+    return the (rank, world_size) to pass to torch: (0, 1) without a launcher, else (-1, -1) (env://)."""
+    launch = discover_launch_env(os.environ, distributed_port)
+    if launch.source == "none":
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        logger.info("no launcher environment ($RANK, $OMPI_COMM_WORLD_RANK, $PMI_RANK, $SLURM_PROCID unset): "
+                    "starting a 1-rank process group")
+        return 0, 1
+    if launch.source == "torchrun":  # the usual case, and torch reads its own variables: no line for it
+        logger.debug(launch.describe())
+        return -1, -1
+    os.environ.update(launch.exports())
+    show_on_stderr()  # which launcher was believed is worth seeing before anything can hang
+    logger.info(launch.describe())
+    return -1, -1
 
 
 def _restarted_elastic_store(timeout: datetime.timedelta) -> dist.Store | None:

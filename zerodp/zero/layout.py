@@ -49,6 +49,35 @@ def assign_buckets(numels: list[int], bucket_numel: int) -> list[Bucket]:
     return buckets
 
 
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+"""torch DDP's first bucket after its rebuild (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`)."""
+
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+"""torch DDP's other buckets (`bucket_cap_mb=25`, its default)."""
+
+
+def assign_buckets_like_ddp(numels: list[int], element_size: int,
+                            limits_bytes: tuple[int, ...] = (DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES)) -> list[Bucket]:
+    """Group consecutive entries into buckets by torch DDP's rule (its C++
+    `compute_bucket_assignment_by_size` for one dtype): add an entry, then close the bucket once it
+    holds at least the current limit; the limit moves to the next of `limits_bytes` after each closed
+    bucket and stays at the last one. `element_size`: bytes per element. Default limits: DDP's
+    rebuilt buckets (1 MiB, then 25 MiB). See stage0.py's [Note: stage-0 bucket sizes].
+    """
+    if element_size <= 0 or not limits_bytes or min(limits_bytes) <= 0:
+        raise ValueError(f"element size and bucket limits must be positive, got {element_size} and {limits_bytes}")
+    buckets: list[Bucket] = []
+    first, start, size, limit = 0, 0, 0, 0
+    for i, n in enumerate(numels):
+        size += n
+        if size * element_size >= limits_bytes[limit]:
+            buckets.append(Bucket(first, i + 1, start, start + size))
+            first, start, size, limit = i + 1, start + size, 0, min(limit + 1, len(limits_bytes) - 1)
+    if first < len(numels):
+        buckets.append(Bucket(first, len(numels), start, start + size))
+    return buckets
+
+
 # ---------------------------------------------------------------------------------------------
 # flat groups and owned shards (stages 1-3, the checkpoint resharder, the estimator)
 

@@ -13,6 +13,18 @@ bucket first; after the first optimizer step the layout is rebuilt in the order 
 rule as DDP also gives the same element positions in each all-reduce, which is what makes fp32
 results bitwise equal to DDP's at any world size (gloo's ring sums in a position-dependent order).
 
+[Note: stage-0 bucket sizes]
+Where a bucket ends decides each element's position in its all-reduce, and with more than two
+ranks gloo's ring sums an element in an order set by that position: a model cut into other buckets
+than DDP's differs from DDP by an ulp here and there (measured: a 400K-parameter TinyGPT at 4
+ranks, whose 1.6 MB of gradients DDP splits into 1 MiB + the rest while a single 5e8-element
+bucket held them all, differed in some losses in the last bit from step 4 on, with or without
+accumulation; 2 ranks are immune, a + b = b + a). So when the config does not set
+`reduce_bucket_size`, stage 0 cuts buckets as DDP does: one bucket before the first step (DDP
+without find_unused_parameters), then, re-laid in ready order, DDP's rebuilt buckets (1 MiB, then
+25 MiB; layout.py's `assign_buckets_like_ddp`, tested against torch's own assignment). A
+`reduce_bucket_size` the user sets caps every bucket at that many elements, as DeepSpeed does.
+
 [Note: mixed precision]
 With bf16/fp16 the module's parameters are cast to 16 bits and an fp32 master copy per parameter
 is what the optimizer updates. When `data_types.grad_accum_dtype` differs from the parameter dtype
@@ -43,7 +55,8 @@ from zerodp.precision import first_nonfinite, has_inf_or_nan
 from zerodp.zero.base import Fragment, OptimizerFactory, Piece, Strategy, elementwise_state
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
 from zerodp.zero.buckets import BucketSequence
-from zerodp.zero.layout import assign_buckets, flat_offsets
+from zerodp.config.keys import value_at
+from zerodp.zero.layout import Bucket, assign_buckets, assign_buckets_like_ddp, flat_offsets
 
 
 class ReductionState(Enum):
@@ -71,10 +84,11 @@ class Stage0(Strategy):
         self.params = trainable_in_registration_order(module, param_groups)
         self.names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
         self.num_ranks = comm.get_world_size()
-        self.bucket_numel = int(self.config.zero_optimization.reduce_bucket_size)
+        bucket_numel, given = value_at(self.config, "zero_optimization.reduce_bucket_size")
+        self.bucket_numel: int | None = int(bucket_numel) if given else None  # None: DDP's sizes
+        self.layout_final = False  # relaid in rank 0's ready order after the first step
         self._layout(_initial_order(self.params, self.bucket_numel))
         self.ready_order: list[nn.Parameter] = []  # gradient-ready order of the first boundary backward
-        self.layout_final = False  # relaid in rank 0's ready order after the first step
         self.reduction = ReductionState.ACCUMULATING  # this optimizer step's all-reduce
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -88,10 +102,18 @@ class Stage0(Strategy):
         self.order = order
         numels = [p.numel() for p in order]
         self.grads = FlatGradBuffer(order, flat_offsets(numels), sum(numels), self.policy.grad_accum_dtype, self.device)
-        self.buckets = assign_buckets(numels, self.bucket_numel)
+        self.buckets = self._cut_buckets(numels)
         self.bucket_of = {p: b for b, bucket in enumerate(self.buckets) for p in order[bucket.first : bucket.last]}
         self.sequence = BucketSequence([b.last - b.first for b in self.buckets], self._launch)
         self.works: list = []  # all-reduces in flight
+
+    def _cut_buckets(self, numels: list[int]) -> list[Bucket]:
+        """The configured bucket size, or DDP's (see [Note: stage-0 bucket sizes])."""
+        if self.bucket_numel is not None:
+            return assign_buckets(numels, self.bucket_numel)
+        if not self.layout_final:  # DDP's first iteration: one bucket
+            return assign_buckets(numels, max(sum(numels), 1))
+        return assign_buckets_like_ddp(numels, self.grads.buffer.element_size())
 
     def _rebuild_in_ready_order(self) -> None:
         """After the first step: relayout in rank 0's gradient-ready order (see [Note: stage-0 layout])."""
@@ -105,8 +127,8 @@ class Stage0(Strategy):
         self.ready_order, self.layout_final = [], True
         mine = comm.get_rank() == 0 or comm.simulated()  # a simulated rank's order stands for rank 0's
         new_order = order if mine else [self.params[i] for i in rank0_order.tolist()]
-        if any(a is not b for a, b in zip(new_order, self.order)):
-            self._layout(new_order)
+        if self.bucket_numel is None or any(a is not b for a, b in zip(new_order, self.order)):
+            self._layout(new_order)  # DDP's sizes change the cut even in the same order
 
     # --- backward ---------------------------------------------------------------------------
 
@@ -270,8 +292,11 @@ class Stage0(Strategy):
         return led
 
 
-def _initial_order(params: list[nn.Parameter], bucket_numel: int) -> list[nn.Parameter]:
+def _initial_order(params: list[nn.Parameter], bucket_numel: int | None) -> list[nn.Parameter]:
     """Before any gradient was seen: buckets cut in registration order, the last bucket first
-    (DDP's initial layout; gradients of the last layers come first in backward)."""
+    (DDP's initial layout; gradients of the last layers come first in backward). `bucket_numel`
+    None: one bucket, as DDP's first iteration."""
+    if bucket_numel is None:
+        return list(params)
     buckets = assign_buckets([p.numel() for p in params], bucket_numel)
     return [p for b in reversed(buckets) for p in params[b.first : b.last]]

@@ -24,13 +24,15 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     """DeepSpeed's `init_distributed` signature over `zerodp.init_distributed`.
 
     dist_init_required=False leaves torch.distributed as it is; `distributed_port` is the master port
-    when a launcher set $RANK but not $MASTER_PORT (as DeepSpeed uses it); a launcher-less script is a
-    1-rank job. `auto_mpi_discovery`, `verbose` and `config` change nothing in zerodp (no MPI launch)."""
+    when a launcher set $RANK but not $MASTER_PORT (as DeepSpeed uses it), and of a Slurm or MPI launch
+    (found from srun's / mpirun's variables, as zerodp.init_distributed does); a launcher-less script
+    is a 1-rank job. `auto_mpi_discovery`, `verbose` and `config` change nothing in zerodp (no mpi4py)."""
     if dist_init_required is False:
         return
     if "RANK" in os.environ:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    _comm.init_distributed(dist_backend, timeout=timeout, init_method=init_method, rank=rank, world_size=world_size)
+    _comm.init_distributed(dist_backend, timeout=timeout, init_method=init_method, rank=rank, world_size=world_size,
+                           distributed_port=distributed_port)
 
 
 def is_available() -> bool:
