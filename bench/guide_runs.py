@@ -129,15 +129,21 @@ def ddp() -> None:
 
 
 def seq() -> None:
-    """Question 26: bytes autograd saves for one sample's backward, by sequence length, with and without
-    checkpointing every block (one rank, micro-batch 1, the demo's width and depth)."""
+    """Question 26: bytes autograd saves for one sample's backward, by sequence length: the demo's width and
+    depth, one rank, micro-batch 1; attention by torch's fused SDPA kernel (what the demo runs), by the math
+    kernel (the (seq x seq) attention matrix materialised, as eager attention does), and the fused kernel
+    with every block checkpointed. Seconds of the second step beside each."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     import zerodp
 
-    print(f"{'seq_len':>8} {'saved, none':>14} {'per token':>10} {'saved, blocks':>14} {'step s, none':>13} "
-          f"{'step s, blocks':>14}")
+    print(f"{'seq_len':>8} {'fused':>12} {'per token':>10} {'math':>12} {'per token':>10} {'fused+blocks':>13}"
+          f" {'s fused':>8} {'s math':>7} {'s blocks':>9}")
     for seq_len in (128, 256, 512, 1024, 2048):
         row = []
-        for policy in ("none", "blocks"):
+        for policy, kernel in (("none", None), ("none", SDPBackend.MATH), ("blocks", None)):
             model, data = _demo(seq_len)
             if policy == "blocks":
                 zerodp.checkpointing.apply(model, policy="blocks")
@@ -145,11 +151,13 @@ def seq() -> None:
                 "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
             for step in range(2):
                 start = time.perf_counter()
-                engine.backward(engine(*_batch(data, 0, step, 0, size=1)))
+                with sdpa_kernel(kernel) if kernel is not None else nullcontext():
+                    engine.backward(engine(*_batch(data, 0, step, 0, size=1)))
                 engine.step()
             row.append((sum(engine.memory_report()["activations"].values()), time.perf_counter() - start))
-        (none, t_none), (blocks, t_blocks) = row
-        print(f"{seq_len:>8} {none:>14,} {none / seq_len:>10,.0f} {blocks:>14,} {t_none:>13.3f} {t_blocks:>14.3f}")
+        (fused, t_fused), (math, t_math), (blocks, t_blocks) = row
+        print(f"{seq_len:>8} {fused:>12,} {fused / seq_len:>10,.0f} {math:>12,} {math / seq_len:>10,.0f} {blocks:>13,}"
+              f" {t_fused:>8.3f} {t_math:>7.3f} {t_blocks:>9.3f}")
 
 
 def optimizer() -> None:
