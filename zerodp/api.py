@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from zerodp import checkpointing, comm
+from zerodp.comm.launch_env import discover_launch_env
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.engine import Engine
 from zerodp.log import log_rank0, show_on_stderr, warn_once
