@@ -640,3 +640,24 @@ def test_hosts_that_share_a_checkpoint_directory_with_only_some_others_are_refus
     for node_local in (False, True):
         assert "shared by some hosts but not all" in _storage_problem(Path("ckpt"), layout, pairs, node_local)
         assert "[['a#0', 'b#1'], ['c#2', 'd#3']]" in _storage_problem(Path("ckpt"), layout, pairs, node_local)
+
+
+@pytest.mark.parametrize("saved_ranks,resumed_ranks", [(2, 1), (1, 2), (4, 2), (2, 3)])
+def test_a_resume_at_another_world_size_continues_the_epoch_where_the_ranks_stopped(saved_ranks: int,
+                                                                                  resumed_ranks: int) -> None:
+    """The saved ranks' positions are the epoch's first num_yielded x ranks samples; at another world size
+    the resumed ranks read on from there together (replaying at most resumed_ranks - 1, never skipping)."""
+    from zerodp.data import ResumableDistributedSampler
+
+    data = list(range(48))
+    saved = [ResumableDistributedSampler(data, num_replicas=saved_ranks, rank=r, seed=3) for r in range(saved_ranks)]
+    import itertools
+
+    seen = [i for s in saved for i in itertools.islice(iter(s), 24 // saved_ranks + 1)]  # 24 / R + 1 samples each
+    resumed = []
+    for r in range(resumed_ranks):
+        sampler = ResumableDistributedSampler(data, num_replicas=resumed_ranks, rank=r, seed=3)
+        sampler.load_state_dict(saved[0].state_dict())
+        resumed += list(sampler)
+    assert set(seen) | set(resumed) == set(data)  # nothing skipped
+    assert len(set(seen) & set(resumed)) < resumed_ranks  # at most resumed_ranks - 1 samples seen twice

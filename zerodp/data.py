@@ -38,9 +38,17 @@ class ResumableDistributedSampler(DistributedSampler):
         self.num_yielded = 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "num_yielded": self.num_yielded}
+        return {"epoch": self.epoch, "num_yielded": self.num_yielded, "num_replicas": self.num_replicas}
 
     def load_state_dict(self, state: dict) -> None:
-        """The next iteration continues epoch `epoch` after its first `num_yielded` indices."""
+        """The next iteration continues epoch `epoch` after the samples the saved run's ranks had seen.
+
+        Rank r of R ranks reads positions r, r + R, r + 2R, ... of the epoch's one permutation (the same
+        at any world size: only the tail padding to a multiple of R differs), so `num_yielded` indices on
+        each of the saved `num_replicas` ranks are the first num_yielded x num_replicas positions. At
+        another world size each rank skips that many positions divided by its own count, rounded down: a
+        resume replays at most (this world size - 1) samples, never skips one. (A state without
+        `num_replicas`, saved before it was recorded, is taken as this world size's.)"""
         self.epoch = self._resume_epoch = state["epoch"]
-        self._resume_at = state["num_yielded"]
+        seen = state["num_yielded"] * state.get("num_replicas", self.num_replicas)
+        self._resume_at = seen // self.num_replicas
