@@ -661,3 +661,32 @@ def test_a_resume_at_another_world_size_continues_the_epoch_where_the_ranks_stop
         resumed += list(sampler)
     assert set(seen) | set(resumed) == set(data)  # nothing skipped
     assert len(set(seen) & set(resumed)) < resumed_ranks  # at most resumed_ranks - 1 samples seen twice
+
+
+def _accumulation_resume(rank: int, world: int, root: str, accumulation: int) -> list[int]:
+    import zerodp
+
+    torch.manual_seed(0)
+    config = {"train_batch_size": 4, "gradient_accumulation_steps": accumulation,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}
+    engine, *_ = zerodp.initialize(model=torch.nn.Linear(4, 1), config=config)
+    if world == 2:  # the saved run: 3 steps of accumulation 1
+        for _ in range(3):
+            engine.backward(engine(torch.ones(2, 4)).sum())
+            engine.step()
+        engine.save_checkpoint(root)
+        return []
+    engine.load_checkpoint(root)
+    steps = []
+    for _ in range(4):
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+        steps.append(engine.global_steps)
+    return steps
+
+
+def test_a_resume_with_another_accumulation_steps_at_its_own_boundaries(tmp_path: Path) -> None:
+    """2 ranks x accumulation 1 saved after 3 steps (micro_steps 3); 1 rank x accumulation 2 resumes: its
+    first micro-batch must not be taken for a boundary (3 + 1 is even), its second must."""
+    run_ranks(_accumulation_resume, 2, args=(str(tmp_path), 1))
+    assert run_ranks(_accumulation_resume, 1, args=(str(tmp_path), 2))[0] == [3, 4, 4, 5]

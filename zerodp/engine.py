@@ -143,6 +143,19 @@ class Engine(EngineAccessors, nn.Module):
     def micro_steps(self, value: int) -> None:
         self.accumulation.micro_steps = value
 
+    @property
+    def micro_steps_in_step(self) -> int:
+        """Micro-batches taken since the last accumulation boundary (saved in checkpoints)."""
+        return self.micro_steps % self.gradient_accumulation_steps()
+
+    @micro_steps_in_step.setter
+    def micro_steps_in_step(self, position: int) -> None:
+        """After a load (global_steps restored first): count micro-steps as this run's accumulation would, so
+        a run resumed with another gradient_accumulation_steps (another world size) steps at its own
+        boundaries, not at those of the saved run's count."""
+        if position < self.gradient_accumulation_steps():
+            self.micro_steps = self.global_steps * self.gradient_accumulation_steps() + position
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True on the micro-batch whose backward completes an optimizer step."""
         return self.accumulation.is_boundary()

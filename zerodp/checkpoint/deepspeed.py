@@ -307,7 +307,8 @@ def _engine_state(states: dict, optim: dict, config: dict, frozen: dict, trainab
     return {
         "counters": {"global_steps": steps, "global_samples": int(states.get("global_samples") or 0),
                      "skipped_steps": int(states.get("skipped_steps") or 0),
-                     "micro_steps": steps * (accumulation if isinstance(accumulation, int) else 1)},
+                     "micro_steps": steps * (accumulation if isinstance(accumulation, int) else 1),
+                     "micro_steps_in_step": 0},  # DeepSpeed saves at a boundary
         "loss_scaler": _loss_scaler_state(optim.get("loss_scaler")),
         "lr_scheduler": states.get("lr_scheduler"),
         "optimizer_groups": groups,

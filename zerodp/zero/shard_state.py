@@ -29,8 +29,10 @@ from torch import nn
 from zerodp import comm
 from zerodp.zero.base import Piece, Strategy
 
-COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
-"""The engine's counters a checkpoint saves (engine.pt's "counters"), in this order."""
+COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps", "micro_steps_in_step")
+"""The engine's counters a checkpoint saves (engine.pt's "counters"), in this order (restored in it too:
+micro_steps_in_step re-bases micro_steps on the restored global_steps; checkpoints written before it was
+saved keep their micro_steps)."""
 
 
 @dataclass
