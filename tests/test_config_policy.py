@@ -10,6 +10,7 @@ monitor_config, which DeepSpeed ignores), Axolotl's deepspeed_configs/zero3_bf16
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -256,3 +257,22 @@ def test_stock_configs_train_a_tiny_model_at_two_ranks(fresh_warnings: None) -> 
     for rank_losses in losses:  # each rank's own micro-batches
         for name, per_config in zip(names, rank_losses):
             assert len(per_config) == 4 and all(math.isfinite(loss) for loss in per_config), (name, per_config)
+
+
+def test_a_script_optimizer_beside_a_config_optimizer_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    """Both given: the script's wins (as on DeepSpeed, which logs that it uses the client optimizer), and
+    the user is told the config's section is ignored, once."""
+    import torch
+
+    from zerodp.api import _optimizer_maker
+    from zerodp.config import load_config
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+                      world_size=1)
+    caplog.set_level(logging.WARNING, logger="zerodp")
+    param = torch.nn.Parameter(torch.ones(2))
+    made = _optimizer_maker(lambda groups: torch.optim.SGD(groups, lr=0.5), cfg, torch.device("cpu"), None)
+    assert isinstance(made([{"params": [param]}]), torch.optim.SGD)
+    said = [r.getMessage() for r in caplog.records if "the config's is ignored" in r.getMessage()]
+    assert said == ["initialize(optimizer=...) was given and the config has an optimizer section (AdamW): the "
+                    "script's optimizer is used, the config's is ignored"]

@@ -102,6 +102,9 @@ def _optimizer_maker(optimizer: Any, cfg: ZeroDPConfig, device: torch.device, fo
     if forward_only:
         return lambda _: NoOptimizer(forward_only)
     optimizer_device = Home.for_section(device, cfg.zero_optimization.offload_optimizer).device
+    if optimizer is not None and cfg.optimizer is not None:  # DeepSpeed also takes the script's, saying so
+        warn_once(f"initialize(optimizer=...) was given and the config has an optimizer section ({cfg.optimizer.type}):"
+                  " the script's optimizer is used, the config's is ignored")
     return optimizer_factory(optimizer, cfg.optimizer, optimizer_device)
 
 
