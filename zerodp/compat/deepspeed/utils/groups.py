@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch.distributed
 
-from zerodp import comm
 from zerodp.compat.deepspeed._missing import missing_attributes
+from zerodp.compat.deepspeed.runtime.sequence_parallel import parallel_state_sp
 from zerodp.sequence import groups as _groups
 
 
@@ -17,25 +17,12 @@ def _get_sequence_parallel_group():
     return _groups.current().sp_group
 
 
-def _get_sequence_parallel_world_size() -> int:
-    return _groups.current().sp_size
-
-
-def _get_sequence_parallel_rank() -> int:
-    return _groups.current().sp_rank
-
-
-def _get_sequence_data_parallel_group():
-    """Every rank: ZeRO partitions and reduces gradients over data- x sequence-parallel ranks."""
-    return torch.distributed.group.WORLD
-
-
-def _get_sequence_data_parallel_world_size() -> int:
-    return comm.get_world_size()
-
-
-def _get_sequence_data_parallel_rank() -> int:
-    return comm.get_rank()
+# the same answers as the groups provider's (`mpu`)
+_get_sequence_parallel_world_size = parallel_state_sp.get_sequence_parallel_world_size
+_get_sequence_parallel_rank = parallel_state_sp.get_sequence_parallel_rank
+_get_sequence_data_parallel_group = parallel_state_sp.get_sequence_data_parallel_group
+_get_sequence_data_parallel_world_size = parallel_state_sp.get_sequence_data_parallel_world_size
+_get_sequence_data_parallel_rank = parallel_state_sp.get_sequence_data_parallel_rank
 
 
 def _get_data_parallel_group():
