@@ -5,7 +5,7 @@ head, replicated to both ranks, on a 15-token sequence padded to 16), and S=2 x 
 DP=2 (stage 2); DeepSpeed's API (register_with_transformers, the data-loader adapter, mpu=) trains as
 gradient accumulation on one rank; the all-to-all bytes per layer are the formula's; activations per
 rank halve; a sequence S does not divide is refused (or padded on request); a checkpoint saved with
-S=2 on 2 ranks loads with S=1 on 1 rank.
+S=2 on 2 ranks loads with S=1 on 1 rank; a TiledMLP trains as the whole MLP at stages 2 and 3.
 
 Tolerance: the all-to-all moves values and adds nothing (zerodp/sequence/all_to_all.py's [Note: the
 Ulysses all-to-all]), and attention runs per head on the whole sequence as in the unsplit run. Two sums are taken in another order: the loss is the mean of two shards' means
@@ -326,3 +326,51 @@ def test_two_sequence_shards_times_two_replicas_train_as_two_replicas_on_whole_s
         _close(result["params"], reference["params"])
         assert result["ledger"]["all_to_all[float32]"]["bytes"] == _all_to_all_bytes(KV_HEADS)
         assert result["samples"] == reference["samples"]  # the engine's loader: a group reads its replica's
+
+
+# ---------------------------------------------------------------------------------------------
+# TiledMLP
+
+
+class _MLP(torch.nn.Module):
+    """A gated MLP, 4x wide, optionally run a sequence tile at a time."""
+
+    def __init__(self, tiles: int) -> None:
+        super().__init__()
+        self.tiles = tiles
+        self.up, self.gate, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    @staticmethod
+    def compute(self: "_MLP", x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from zerodp.sequence import TiledMLP
+
+        return TiledMLP.apply(_MLP.compute, self, x, self.tiles, None) if self.tiles > 1 else self.compute(self, x)
+
+
+def _tiled(rank: int, world: int, stage: int, tiles: int) -> dict:
+    import zerodp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), _MLP(tiles), _MLP(tiles), torch.nn.Linear(16, 1))
+    engine, *_ = zerodp.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2, "optimizer": OPTIMIZER,
+                                                        "zero_optimization": {"stage": stage}})
+    losses = []
+    for step in range(STEPS):
+        x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with zerodp.zero.GatheredParameters(list(model.parameters())):
+        return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_tiled_mlp_trains_as_the_whole_mlp_with_one_gradient_per_parameter(stage: int) -> None:
+    whole, tiled = (run_ranks(_tiled, 2, args=(stage, tiles)) for tiles in (1, 3))
+    for got, want in zip(tiled, whole):
+        assert got["losses"] == pytest.approx(want["losses"], rel=RTOL)
+        _close(got["params"], want["params"])

@@ -11,7 +11,8 @@ before `zerodp.initialize`, turn it on.
 - attention.py: `UlyssesAttention` around an attention function of Hugging Face's signature;
 - hf.py: `register_attention` (transformers' attention registry, patched by name);
 - data.py: `shard_batch`, `SequenceShardLoader` (pre-shifted labels, position ids);
-- loss.py: `sequence_parallel_loss`, the sequence's mean loss from its shards.
+- loss.py: `sequence_parallel_loss`, the sequence's mean loss from its shards;
+- tiled.py: `TiledMLP`, an MLP a sequence tile at a time (DeepSpeed's ALST signature).
 
 Recipe (a Hugging Face causal LM, `torchrun --nproc-per-node 4 train.py`, config
 {"sequence_parallel_size": 2, ...}):
@@ -33,7 +34,8 @@ from zerodp.sequence.data import SequenceShardLoader, shard_batch, shift_labels
 from zerodp.sequence.groups import current, initialize_sequence_parallel, is_initialized, reset
 from zerodp.sequence.hf import register_attention, unregister_attention
 from zerodp.sequence.loss import sequence_parallel_loss
+from zerodp.sequence.tiled import TiledMLP
 
-__all__ = ["SequenceShardLoader", "UlyssesAttention", "current", "exchange", "heads_to_ranks",
+__all__ = ["SequenceShardLoader", "TiledMLP", "UlyssesAttention", "current", "exchange", "heads_to_ranks",
            "initialize_sequence_parallel", "is_initialized", "kv_replication", "register_attention", "reset",
            "sequence_parallel_loss", "sequence_to_ranks", "shard_batch", "shift_labels", "unregister_attention"]

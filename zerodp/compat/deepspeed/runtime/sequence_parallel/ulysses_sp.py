@@ -13,7 +13,7 @@ from zerodp import comm
 from zerodp.compat.deepspeed._missing import missing_attributes
 from zerodp.compat.deepspeed.runtime.sequence_parallel import parallel_state_sp
 from zerodp.log import warn_once
-from zerodp.sequence import SequenceShardLoader, UlyssesAttention, groups, register_attention
+from zerodp.sequence import SequenceShardLoader, TiledMLP, UlyssesAttention, groups, register_attention
 from zerodp.zero.topology import SequenceParallel
 
 
@@ -72,4 +72,5 @@ class UlyssesSPDataLoaderAdapter(SequenceShardLoader):
         return getattr(self.loader, name)
 
 
+__all__ = ["TiledMLP", "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
 __getattr__ = missing_attributes(__name__)
