@@ -32,12 +32,14 @@ rows = []
 for i in range(8):
     ids = torch.randint(1, 64, (16,), generator=torch.Generator().manual_seed(i)).tolist()
     rows.append({"input_ids": ids, "labels": ids, "position_ids": list(range(16))})
-ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-             "zero_optimization": {"stage": stage}, "gradient_clipping": "auto"}
-args = TrainingArguments(output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "ulysses_hf_trainer"), per_device_train_batch_size=1, max_steps=4, learning_rate=1e-2,
-                         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, deepspeed=ds_config,
-                         parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2,
-                                                              sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")), seed=0)
+ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+             "train_batch_size": "auto", "zero_optimization": {"stage": stage}, "gradient_clipping": "auto"}
+sequence_parallel = ParallelismConfig(sp_backend="deepspeed", sp_size=2,
+                                      sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
+args = TrainingArguments(output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "ulysses_hf_trainer"),
+                         per_device_train_batch_size=1, max_steps=4, learning_rate=1e-2, logging_steps=1, report_to=[],
+                         save_strategy="no", use_cpu=True, deepspeed=ds_config, parallelism_config=sequence_parallel,
+                         seed=0)
 trainer = Trainer(model=model, args=args, train_dataset=rows)
 trainer.train()
 if int(os.environ["RANK"]) == 0:

@@ -38,14 +38,16 @@ model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                      max_position_embeddings=64, attn_implementation="sdpa"))
 mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 2)
-config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6, "zero_allow_untested_optimizer": True,
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+          "zero_allow_untested_optimizer": True,  # DeepSpeed's wording for a torch optimizer under ZeRO
           "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, "zero_optimization": {"stage": stage}}
 engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu, model_parameters=model.parameters())
 batches = []
 for step in range(2):
     ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(1000 * step + rank))
     batches.append({"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(16).expand(2, 16)})
-loader = UlyssesSPDataLoaderAdapter(batches, groups._get_sequence_parallel_rank(), groups._get_sequence_parallel_group(),
+loader = UlyssesSPDataLoaderAdapter(batches, groups._get_sequence_parallel_rank(),
+                                    groups._get_sequence_parallel_group(),
                                     groups._get_sequence_parallel_world_size(), torch.device("cpu"))
 group = groups._get_sequence_parallel_group()
 losses = []
