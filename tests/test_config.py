@@ -580,7 +580,7 @@ def test_rule_still_runs_when_an_unrelated_key_of_its_section_fails() -> None:
     ({"tensorboard": {"enabled": True, "output_path": "x"}}, "tensorboard.enabled"),
     ({"compile": {"deepcompile": True}}, "compile.deepcompile"),
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size"),
-    ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
+    ({"seq_parallel_comm_data_type": "bf16"}, "seq_parallel_comm_data_type"),
     ({"aio": {"use_gds": True}}, "aio.use_gds"),
     ({"checkpoint": {"parallel_write": {"pipeline_stage": True}}}, "checkpoint.parallel_write.pipeline_stage"),
 ])

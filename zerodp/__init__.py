@@ -14,6 +14,7 @@ if _importlib_util.find_spec("numpy") is None:
 
 from zerodp import checkpoint, checkpointing, comm  # noqa: E402 - after the filter, which must precede torch
 from zerodp.api import initialize
+from zerodp import sequence  # noqa: E402 - Ulysses sequence parallelism
 from zerodp.comm import init_distributed
 from zerodp.config import ConfigError, ZeroDPConfig, add_config_arguments, load_config
 from zerodp.engine import Engine
@@ -35,4 +36,5 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_config",
+    "sequence",
 ]

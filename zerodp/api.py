@@ -9,7 +9,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from zerodp import checkpointing, comm
+from zerodp import checkpointing, comm, sequence
 from zerodp.comm.launch_env import discover_launch_env
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.engine import Engine
@@ -56,11 +56,13 @@ def initialize(
         training_data: a Dataset; the third return value is then a DataLoader with a
             DistributedSampler and the micro batch size (None otherwise).
         dist_init_required: False to require an existing process group.
+        mpu: a sequence-parallel groups provider only (DeepSpeed Ulysses' register_with_transformers).
     The config is validated before the process group is used, so a bad config fails on every
     rank with the same message instead of hanging the others.
     """
     _check_arguments(model, mpu, mesh_param, config, config_params)
-    cfg = load_config(config if config is not None else config_params, args=args, world_size=_known_world_size())
+    cfg = load_config(config if config is not None else config_params, args=args, world_size=_known_world_size(),
+                      sequence_parallel_size=_sequence_parallel_size_of(mpu))
     policy = DtypePolicy.from_config(cfg)
     strategy_cls = strategy_class(cfg)
     forward_only = forward_only_reason(model, model_parameters, optimizer, cfg.optimizer)
@@ -72,9 +74,7 @@ def initialize(
     device = comm.device_for_backend()
     comm_ledger = comm.CommLedger()  # the engine's own: start-up's collectives are its `init`
     with comm.recording(comm_ledger):
-        _check_ranks_agree(model, cfg, device)
-        nodes = node_layout()  # the comm ledger counts intra- and inter-node bytes apart
-        comm.set_node_layout([nodes.node_of(r) for r in range(comm.get_world_size())])
+        _start_groups(model, cfg, device)
         strategy = strategy_cls(cfg, policy, device, comm_ledger)
         strategy.wrap(model, groups, _optimizer_maker(optimizer, cfg, device, forward_only))
         _warn_if_slow_offloaded_optimizer(strategy)
@@ -91,10 +91,30 @@ def initialize(
 def _check_arguments(model: nn.Module | None, mpu: Any, mesh_param: Any, config: Any, config_params: Any) -> None:
     if model is None:
         raise ValueError("initialize() needs model=")
-    if mpu is not None or mesh_param is not None:
-        raise NotImplementedError("model/sequence parallelism (mpu=, mesh_param=) is not supported: zerodp is data-parallel only")
+    if mesh_param is not None or (mpu is not None and not hasattr(mpu, "get_sequence_parallel_world_size")):
+        raise NotImplementedError("model parallelism (mpu=, mesh_param=) is not supported: zerodp is data-parallel "
+                                  "only; an mpu= is accepted when it provides sequence-parallel groups (DeepSpeed's "
+                                  "Ulysses: register_with_transformers returns one)")
+    if mpu is not None and getattr(mpu, "get_model_parallel_world_size", mpu.get_sequence_parallel_world_size)() \
+            != mpu.get_sequence_parallel_world_size():
+        raise NotImplementedError("mpu= has model-parallel groups other than its sequence-parallel ones: zerodp "
+                                  "has no tensor or pipeline parallelism")
     if config is not None and config_params is not None:
         raise ValueError("pass the config once: config= or config_params=, not both")
+
+
+def _start_groups(model: nn.Module, cfg: ZeroDPConfig, device: torch.device) -> None:
+    """The first collectives: the ranks agree, the node layout, the sequence-parallel groups."""
+    _check_ranks_agree(model, cfg, device)
+    nodes = node_layout()  # the comm ledger counts intra- and inter-node bytes apart
+    comm.set_node_layout([nodes.node_of(r) for r in range(comm.get_world_size())])
+    if cfg.sequence_parallel_size > 1:  # the groups register_with_transformers built, or new ones
+        sequence.initialize_sequence_parallel(cfg.sequence_parallel_size)
+
+
+def _sequence_parallel_size_of(mpu: Any) -> int | None:
+    """The sequence-parallel size of DeepSpeed's `mpu=` (Ulysses' groups provider), None without one."""
+    return None if mpu is None else int(mpu.get_sequence_parallel_world_size())
 
 
 def _optimizer_maker(optimizer: Any, cfg: ZeroDPConfig, device: torch.device, forward_only: str | None) -> Any:

@@ -319,10 +319,12 @@ class Engine(EngineAccessors, nn.Module):
                      num_local_io_workers: int | None = None) -> DataLoader:
         """A DataLoader giving this rank its share of `dataset` (DeepSpeed's signature): a shuffled
         sampler that checkpoints record the position of (zerodp.data), unless `data_sampler` is
-        given; `batch_size` = the micro batch. Call `loader.sampler.set_epoch(epoch)` each epoch
+        given; `batch_size` = the micro batch; with sequence parallelism, one share per data-parallel
+        replica (zerodp.sequence.shard_batch cuts each rank's piece of the sequence). Call `loader.sampler.set_epoch(epoch)` each epoch
         for a new order."""
         sampler = data_sampler or ResumableDistributedSampler(
-            dataset, num_replicas=comm.get_world_size(), rank=comm.get_rank(),
+            # the ranks of one sequence-parallel group read the same samples ([Note: sequence-parallel groups])
+            dataset, num_replicas=self.config.world_size, rank=comm.get_rank() // self.config.sequence_parallel_size,
             shuffle=route == "train", drop_last=self.config.dataloader_drop_last,
         )
         return DataLoader(

@@ -53,8 +53,18 @@ class EngineAccessors:
 
     @property
     def dp_world_size(self) -> int:
-        """Data-parallel world size (all ranks: zerodp has no model parallelism)."""
+        """Data-parallel world size: all ranks / sequence_parallel_size (zerodp has no model parallelism)."""
+        return comm.get_world_size() // self.config.sequence_parallel_size
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """The ranks ZeRO partitions over and reduces gradients across (DeepSpeed's name): every rank."""
         return comm.get_world_size()
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks sharing one sequence (Ulysses); 1 without sequence parallelism."""
+        return self.config.sequence_parallel_size
 
     mp_world_size = 1  # no model parallelism
 

@@ -4,6 +4,7 @@ ledger that counts them, and the failure guard.
 - ledger.py: `CommLedger` (op, dtype, elements, bytes per step), the process-wide `ledger`, one
   ledger per engine (`recording`, [Note: one comm ledger per engine]), the node layout for links;
 - collectives.py: all_reduce, reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor,
+  all_to_all_single,
   barrier, `Pending` (an async collective);
 - lifecycle.py: init_distributed, rank queries, process groups, `PeerGone`, and the exit drain
   ([Note: leaving nothing for interpreter shutdown]);
@@ -18,6 +19,7 @@ from zerodp.comm.collectives import (
     all_gather_into_tensor,
     all_gather_rows,
     all_reduce,
+    all_to_all_single,
     barrier,
     broadcast,
     free_after_wait,
@@ -66,7 +68,7 @@ from zerodp.comm.lifecycle import (
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "DRAIN_TIMEOUT_S", "INTER_NODE", "INTRA_NODE", "CommLedger", "CommRecord", "PeerFailed",
-    "PeerGone", "Pending", "active_ledger", "all_gather_into_tensor", "all_gather_rows", "all_reduce", "backend",
+    "PeerGone", "Pending", "active_ledger", "all_gather_into_tensor", "all_gather_rows", "all_reduce", "all_to_all_single", "backend",
     "barrier", "barrier_naming_missing_ranks", "broadcast", "collective_timeout", "comm_report", "default_backend",
     "device_for_backend", "drain_pending", "end_init", "end_step", "free_after_wait", "gather_messages", "get_rank", "get_world_size",
     "init_distributed", "is_initialized", "ledger", "link_of", "new_group", "on_every_rank", "outside_step",

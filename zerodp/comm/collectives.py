@@ -158,6 +158,19 @@ def reduce_scatter_tensor(
     return _finish(Pending(works, then=lambda: output.view(-1).copy_(mine), tensors=(output, input)), async_op)
 
 
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Split `input` into world equal chunks along dim 0, send chunk r to rank r of `group`, and
+    write the chunk received from rank r as chunk r of `output` (same shape as `input`). The ledger
+    counts `input`: every element handed over, the 1/world that stays on this rank included."""
+    record("all_to_all", input, group)
+    with naming_lost_peers():
+        dist.all_to_all_single(handed_over(output), handed_over(input), group=group)
+
+
 # [Note: gloo collectives]
 # gloo's reduce_scatter and all_gather are 1.5-5x slower than the same traffic sent as one reduce
 # (or broadcast) per owner: measured on 23.2M fp32 elements, 2 / 4 ranks on one machine,

@@ -3,7 +3,7 @@
 Volumes follow the accounting of design.md §4, per rank, in elements of the collective's dtype: an
 all-reduce of Ψ elements counts 2Ψ (a reduce-scatter Ψ plus an all-gather Ψ, which is what a
 bandwidth-optimal all-reduce moves), a reduce-scatter counts its input, a reduce to one rank its
-tensor, an all-gather its output, a broadcast its tensor.
+tensor, an all-gather its output, a broadcast its tensor, an all-to-all its input.
 
 [Note: one comm ledger per engine]
 A process may hold several engines (RLHF's actor, critic, reference and reward models; a GAN's
@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 # Elements moved per element of the tensor handed to the collective (design.md §4).
-_TRAFFIC_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "reduce": 1, "all_gather": 1, "broadcast": 1}
+_TRAFFIC_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "reduce": 1, "all_gather": 1, "broadcast": 1,
+                   "all_to_all": 1}
 
 
 INTRA_NODE, INTER_NODE = "intra_node", "inter_node"

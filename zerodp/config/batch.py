@@ -1,4 +1,6 @@
-"""Batch math: train_batch_size = micro-batch x gradient accumulation x data-parallel world size.
+"""Batch math: train_batch_size = micro-batch x gradient accumulation x data-parallel world size,
+where the data-parallel world size is the number of ranks / sequence_parallel_size (DeepSpeed's rule:
+the ranks of one sequence-parallel group share each sample).
 
 Pure: numbers in, numbers and sentences out. DeepSpeed's derivation of the missing values (its floor
 divisions), the batch rule with every factor shown, and the consistent choices proposed when it
@@ -58,6 +60,19 @@ def batch_problems(train_batch_size: int | None, micro_batch_size: int | None,
     if problem:
         return None, [problem]
     return BatchMath(tbs, micro, accum, world_size, tuple(k for k in BATCH_KEYS if k in how)), []
+
+
+def sequence_parallel_problem(num_ranks: int, sequence_parallel_size: int) -> str | None:
+    """Why `sequence_parallel_size` cannot split `num_ranks` ranks into data-parallel x
+    sequence-parallel groups, or None when it divides them."""
+    if isinstance(sequence_parallel_size, bool) or not isinstance(sequence_parallel_size, int) \
+            or sequence_parallel_size < 1:
+        return f"sequence_parallel_size: got {show_value(sequence_parallel_size)}; expected an integer >= 1"
+    if num_ranks % sequence_parallel_size:
+        divisors = [d for d in range(1, num_ranks + 1) if num_ranks % d == 0]
+        return (f"sequence_parallel_size: {sequence_parallel_size} does not divide the world size "
+                f"({num_ranks} ranks); use one of {divisors}")
+    return None
 
 
 MAX_BATCH = 10**9

@@ -47,8 +47,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
     "data_types.buffer_dtype": (None, "buffers keep the dtype they were built with (DeepSpeed's default)"),
     "data_types.keep_in_fp32_modules": (("auto", None), "no module is kept in fp32: every parameter trains in the "
                                                         "working dtype"),
-    "sequence_parallel_size": (1, "no sequence parallelism"),
-    "seq_parallel_comm_data_type": ("fp32", "no sequence parallelism"),
+    "seq_parallel_comm_data_type": ("fp32", "the sequence-parallel all-to-alls send activations in their own dtype"),
     "use_data_before_expert_parallelism": (False, "no expert parallelism"),
     "weight_quantization": (None, "weight quantization is an inference feature"),
     "gradient_allreduce_op": ("mean", _REDUCE),

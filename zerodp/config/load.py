@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from zerodp.config.batch import BATCH_KEYS, BatchMath, batch_problems
+from zerodp.config.batch import BATCH_KEYS, BatchMath, batch_problems, sequence_parallel_problem
 from zerodp.config.clean import clean_section
 from zerodp.config.errors import ConfigError, Report, join_path
 from zerodp.config.hparams import optimizer_section_problems, scheduler_section_problems
@@ -150,7 +150,8 @@ def _validate(cleaned: dict[str, Any], report: Report) -> ZeroDPConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_config(config: Any = None, *, args: Any = None, world_size: int | None = None) -> ZeroDPConfig:
+def load_config(config: Any = None, *, args: Any = None, world_size: int | None = None,
+                sequence_parallel_size: int | None = None) -> ZeroDPConfig:
     """Read, check and resolve a DeepSpeed config.
 
     Args:
@@ -158,8 +159,11 @@ def load_config(config: Any = None, *, args: Any = None, world_size: int | None 
             "{"); or a ZeroDPConfig (re-resolved, e.g. at another world size). Default None: use
             `args.deepspeed_config` (or the deprecated `args.deepscale_config`).
         args: an argparse namespace from a parser set up with `add_config_arguments`.
-        world_size: the data-parallel world size for the batch rule. Default None: torch.distributed's
-            world size if initialised, else $WORLD_SIZE; if neither, a ConfigError (never 1 silently).
+        world_size: the number of ranks. Default None: torch.distributed's world size if initialised,
+            else $WORLD_SIZE; if neither, a ConfigError (never 1 silently). The batch rule counts
+            world_size / sequence_parallel_size data-parallel ranks.
+        sequence_parallel_size: the sequence-parallel size an `mpu=` of initialize() gives (DeepSpeed's
+            Ulysses groups); None: the config key's. A config key > 1 that differs is a ConfigError.
 
     Returns the validated ZeroDPConfig with train_batch_size, train_micro_batch_size_per_gpu and
     gradient_accumulation_steps resolved, plus `world_size` and `batch`.
@@ -180,8 +184,10 @@ def load_config(config: Any = None, *, args: Any = None, world_size: int | None 
         report.problems.extend(optimizer_section_problems(cfg))
     if report.usable("scheduler", "optimizer"):
         report.problems.extend(scheduler_section_problems(cfg))
-    ws, ws_source, ws_problems = resolve_world_size(world_size, previous._world_size if previous else None)
+    ws, ws_source, ws_problems = resolve_world_size(world_size, previous.num_ranks if previous is not None and previous._world_size is not None else None)
     report.problems.extend(ws_problems)
+    if ws is not None and report.usable("sequence_parallel_size"):
+        ws, ws_source = _data_parallel_size(cfg, ws, ws_source, sequence_parallel_size, report)
     batch = None
     if ws is not None and report.usable(*BATCH_KEYS):
         batch, batch_issues = batch_problems(cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
@@ -193,6 +199,27 @@ def load_config(config: Any = None, *, args: Any = None, world_size: int | None 
         raise ConfigError(report.problems or ["batch sizes could not be resolved"], source)
     warn_keys_without_effect(cfg)
     return _finish(cfg, batch, raw)
+
+
+def _data_parallel_size(cfg: ZeroDPConfig, num_ranks: int, source: str, given: int | None,
+                        report: Report) -> tuple[int | None, str]:
+    """The data-parallel world size the batch rule counts: `num_ranks` / sequence_parallel_size (the
+    config key's, or `given` by an mpu), with where it came from; (None, "") and a problem when the
+    size does not divide the ranks, or the mpu's and the key's differ."""
+    key = cfg.sequence_parallel_size
+    if given is not None and key > 1 and given != key:
+        report.problems.append(f"sequence_parallel_size: {key} in the config, but the mpu passed to initialize() has "
+                               f"sequence-parallel groups of {given} ranks; drop the key or make them agree")
+        return None, ""
+    size = given if given is not None else key
+    problem = sequence_parallel_problem(num_ranks, size)
+    if problem:
+        report.problems.append(problem)
+        return None, ""
+    cfg.sequence_parallel_size = size
+    if size == 1:
+        return num_ranks, source
+    return num_ranks // size, f"{num_ranks} ranks{' ' + source if source else ''} / sequence_parallel_size {size}"
 
 
 def _finish(cfg: ZeroDPConfig, batch: BatchMath, raw: dict[str, Any]) -> ZeroDPConfig:

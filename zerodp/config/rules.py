@@ -151,7 +151,11 @@ def hierarchy_problems(cfg: ZeroDPConfig, world_size: int) -> list[str]:
         problems.append(f"{where}.zero_hpz_partition_size, {where}.mics_shard_size: both are set; hpZ keeps a "
                         "secondary copy of the parameters per node, MiCS shards everything per group: choose one")
     for key, size in sizes.items():
-        if zero.stage != 3:
+        if cfg.sequence_parallel_size > 1:
+            problems.append(f"{where}.{key} with sequence_parallel_size {cfg.sequence_parallel_size}: hierarchical "
+                            "partitioning inside sequence parallelism is not implemented (ZeRO partitions over every "
+                            "rank); drop one of them")
+        elif zero.stage != 3:
             problems.append(f"{where}.{key}: {size} partitions ZeRO stage 3 hierarchically; it needs "
                             f"{where}.stage 3 (it is {zero.stage})")
         elif world_size % size:

@@ -525,7 +525,7 @@ class ZeroDPConfig(Section):
     expert_parallel: Optional[dict[str, Any]] = None
     weight_quantization: Optional[dict[str, Any]] = None
     datastates: Optional[dict[str, Any]] = None
-    sequence_parallel_size: Int = Field(1, ge=1)
+    sequence_parallel_size: Int = Field(1, ge=1)  # Ulysses: ranks sharing one sequence (zerodp/sequence/)
     seq_parallel_comm_data_type: Annotated[Literal["fp32", "fp16", "bf16"], BeforeValidator(_lower)] = "fp32"
     use_data_before_expert_parallelism: bool = False
 
@@ -541,6 +541,11 @@ class ZeroDPConfig(Section):
             raise ValueError("this ZeroDPConfig was not resolved: build it with "
                              "zerodp.config.load_config(config, world_size=...)")
         return self._world_size
+
+    @property
+    def num_ranks(self) -> int:
+        """Every rank: the data-parallel world size x sequence_parallel_size (ZeRO partitions over all)."""
+        return self.world_size * self.sequence_parallel_size
 
     @property
     def batch(self) -> Any:

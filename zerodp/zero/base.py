@@ -32,6 +32,7 @@ from zerodp.accumulation import AccumulationClock
 from zerodp.memory import MemoryLedger
 from zerodp.offload.cpu import Home
 from zerodp.precision import DtypePolicy
+from zerodp.zero.topology import gradient_mean_factor
 
 if TYPE_CHECKING:
     from zerodp.offload.swap import OptimizerSwapper
@@ -120,6 +121,9 @@ class Strategy(abc.ABC):
         self.backward_pass = BackwardPass.IDLE  # [Note: backward pass states]
         self.accumulation = AccumulationClock()  # the engine's, once it hands it over (follow)
         _live_strategies[next(_strategy_numbers)] = self
+        # each rank's gradient x this, then summed over every rank: the mean over data-parallel replicas,
+        # the sum over sequence-parallel ranks ([Note: sequence-parallel groups], zerodp/zero/topology.py)
+        self.grad_mean_factor = gradient_mean_factor(comm.get_world_size(), int(config.sequence_parallel_size))
 
     # [Note: backward passes the engine did not start]
     # A backward can reach this strategy's hooks without engine.backward(): the user's own

@@ -161,7 +161,7 @@ class Stage0(Strategy):
         """Start bucket b's all-reduce (a slice of the flat buffer: no copy)."""
         if self.num_ranks > 1:
             grads = self.grads.buffer[self.buckets[b].start : self.buckets[b].stop]
-            grads.mul_(1.0 / self.num_ranks)  # mean, divided before the sum as DDP does
+            grads.mul_(self.grad_mean_factor)  # mean, divided before the sum as DDP does
             self.works.append(comm.all_reduce(grads, async_op=True))
 
     def after_backward(self, boundary: bool) -> None:

@@ -217,7 +217,7 @@ class Stage12(Strategy):
             if self.num_ranks == 1:
                 fg.owned_grad = full
                 continue
-            full.mul_(1.0 / self.num_ranks)  # mean, divided before the sum as DDP does
+            full.mul_(self.grad_mean_factor)  # mean, divided before the sum as DDP does
             shard = torch.empty(fg.layout.shard_numel, dtype=full.dtype, device=full.device)
             self.note_transient("reduced_grad_shard", shard)
             works.append((fg, shard, comm.reduce_scatter_tensor(shard, full, async_op=True)))
@@ -404,7 +404,7 @@ class Stage2(Stage12):
         self.note_transient("reduce_bucket", buffer)
         works = []
         if self.num_ranks > 1:
-            buffer.mul_(1.0 / self.num_ranks)
+            buffer.mul_(self.grad_mean_factor)
             if self.use_reduce:
                 works = [comm.reduce(buffer[a - start : b - start], dst=r, async_op=True)
                          for r, a, b in owner_pieces(start, stop, fg.layout.shard_numel)]

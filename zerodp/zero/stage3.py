@@ -225,7 +225,7 @@ class Stage3(Stage3Hooks, Strategy):
         if self.num_ranks == 1:
             Home.accumulate(unit.owned_grad, buffer)
             return
-        buffer.mul_(1.0 / self.num_ranks)  # mean over every rank, divided before the sum as DDP does
+        buffer.mul_(self.grad_mean_factor)  # mean over every replica, divided before the sum as DDP does
         out = torch.empty(f.layout.shard_numel, dtype=buffer.dtype, device=buffer.device)
         work = comm.reduce_scatter_tensor(out, buffer, group=unit.group, async_op=True)
         self.in_flight.append((unit, out, buffer, work))

@@ -14,6 +14,7 @@ import socket
 from dataclasses import dataclass
 
 from zerodp import comm
+from zerodp.config.batch import sequence_parallel_problem
 
 
 def node_name() -> str:
@@ -137,3 +138,57 @@ def stage3_link_numel(mode: str, numel: int, group_size: int, micro_batches: int
     if mode == "mics":  # everything in the group; each 1/S gradient shard all-reduced once per step
         return {comm.INTRA_NODE: 3 * k * numel, comm.INTER_NODE: 2 * numel // group_size}
     raise ValueError(f"mode {mode!r}: expected 'flat', 'hpz' or 'mics'")
+
+
+# ---------------------------------------------------------------------------------------------
+# sequence parallelism (Ulysses): data-parallel x sequence-parallel (see [Note: sequence-parallel groups])
+
+# [Note: sequence-parallel groups]
+# `sequence_parallel_size` = S splits the N ranks into N/S sequence-parallel groups of S consecutive
+# ranks (ranks 0..S-1 share one sequence, as DeepSpeed's parallel_state_sp and its (dp, sp) device mesh
+# lay them out: the sequence group is the inner, fastest dimension, ideally inside one node, because
+# its all-to-alls run in every attention layer). The N/S ranks at the same position of every group form
+# a data-parallel group. ZeRO is unchanged by S: parameters, gradients and optimizer states stay
+# partitioned over all N ranks and gradients are reduced over all N. What S changes is the mean:
+# the S ranks of one group each computed the gradient of their own share of one sample's loss, so
+# their gradients are summed, and only the N/S data-parallel replicas are averaged (DeepSpeed divides
+# by N / S at every stage: its engine's `dp_world_size / sequence_parallel_size`). The batch rule
+# counts N/S data-parallel ranks, and the data loader gives the S ranks of a group the same samples.
+
+
+def gradient_mean_factor(num_ranks: int, sequence_parallel_size: int) -> float:
+    """What each rank's gradient is multiplied by before the sum over all `num_ranks` ranks: the mean
+    over the data-parallel replicas, the sum over the sequence-parallel ranks (see [Note:
+    sequence-parallel groups]); 1 / num_ranks without sequence parallelism."""
+    return sequence_parallel_size / num_ranks
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """This rank's place in data-parallel x sequence-parallel (see [Note: sequence-parallel groups]).
+    Groups are None where they would be one rank (S = 1: no sequence group; S = N: no data group)."""
+
+    sp_size: int  # ranks that share one sequence
+    sp_rank: int  # this rank's position among them: which shard of the sequence it holds
+    sp_group: object | None
+    dp_size: int  # data-parallel replicas: num_ranks / sp_size
+    dp_rank: int  # which of them this rank is in: which samples it reads
+    dp_group: object | None
+
+    @staticmethod
+    def of_rank(rank: int, num_ranks: int, sp_size: int) -> "SequenceParallel":
+        """The positions alone (pure; no groups): for checks and the batch rule."""
+        return SequenceParallel(sp_size, rank % sp_size, None, num_ranks // sp_size, rank // sp_size, None)
+
+
+def sequence_parallel_groups(sp_size: int) -> SequenceParallel:
+    """Build the sequence-parallel and data-parallel groups of `sp_size` (a collective: every rank
+    calls it with the same size; the caller has checked that it divides the world size)."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    problem = sequence_parallel_problem(world, sp_size)
+    if problem:
+        raise ValueError(problem)
+    where = SequenceParallel.of_rank(rank, world, sp_size)
+    sp_group = _my_group(rank_blocks(world, sp_size), rank) if sp_size > 1 else None
+    dp_group = _my_group(rank_strides(world, sp_size), rank) if 1 < sp_size < world else None
+    return SequenceParallel(sp_size, where.sp_rank, sp_group, where.dp_size, where.dp_rank, dp_group)

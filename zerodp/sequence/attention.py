@@ -1,0 +1,111 @@
+"""Ulysses attention: any attention function of Hugging Face's signature, run on the whole sequence for
+this rank's share of the heads (see [Note: the Ulysses all-to-all], zerodp/sequence/all_to_all.py).
+
+    attention = UlyssesAttention(core, num_heads=32, num_kv_heads=8, topology=groups.current())
+    out, weights = attention(module, query, key, value, attention_mask, **kwargs)
+
+query/key/value come in HF's layout [batch, heads, seq/S, head_dim] (this rank's sequence shard); the
+output leaves as [batch, seq/S, heads, head_dim], what HF's attention functions return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from zerodp import comm
+from zerodp.sequence.all_to_all import heads_to_ranks, sequence_to_ranks
+from zerodp.zero.topology import SequenceParallel
+
+AttentionFunction = Callable[..., tuple[torch.Tensor, Any]]
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
+    """How many times each key/value head is repeated before the all-to-all (1: none), or ValueError.
+
+    Query heads are cut into `sp_size` blocks, so `num_heads` must divide by it. Key/value heads
+    (grouped-query attention) are cut too when `sp_size` divides them; when there are fewer of them
+    than ranks, each is repeated `sp_size / num_kv_heads` times so that every rank receives the one
+    its query heads read (as DeepSpeed does)."""
+    if num_heads % sp_size:
+        raise ValueError(f"num_attention_heads ({num_heads}) does not divide by sequence_parallel_size ({sp_size}): "
+                         "Ulysses gives each rank of a sequence-parallel group an equal share of the heads; use a "
+                         f"sequence_parallel_size that divides {num_heads}")
+    if num_kv_heads % sp_size == 0:
+        return 1
+    if sp_size % num_kv_heads == 0:
+        return sp_size // num_kv_heads
+    raise ValueError(f"num_key_value_heads ({num_kv_heads}) and sequence_parallel_size ({sp_size}): neither divides the "
+                     "other, so the key/value heads cannot be cut or repeated evenly across the ranks; use a "
+                     f"sequence_parallel_size that divides {num_kv_heads} or is a multiple of it")
+
+
+@contextlib.contextmanager
+def _kv_groups(module: Any, groups: int) -> Iterator[None]:
+    """Set `module.num_key_value_groups` (HF's query heads per key/value head, which its attention
+    functions read) for the heads this rank holds, while the core attention runs."""
+    had = hasattr(module, "num_key_value_groups")
+    before = getattr(module, "num_key_value_groups", None)
+    if had:
+        module.num_key_value_groups = groups
+    try:
+        yield
+    finally:
+        if had:
+            module.num_key_value_groups = before
+
+
+class UlyssesAttention:
+    """An HF attention function made sequence-parallel: all-to-all in, the core function on the whole
+    sequence for heads/S heads, all-to-all out.
+
+    The attention mask is dropped: after the exchange the sequence is whole, and the core function's
+    causal flag (sdpa's `is_causal`, flash attention's causal kernel) masks it; a mask built by the model
+    for its shard has the shard's length (DeepSpeed drops it too). So a padding mask is not applied:
+    pad at the end of the sequence, where causal attention never lets a pad reach a real token."""
+
+    def __init__(self, core: AttentionFunction, num_heads: int, num_kv_heads: int, topology: SequenceParallel,
+                 disable_in_eval: bool = False) -> None:
+        self.core = core  # the function this one wraps (HF's sdpa, flash attention, ...)
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.topology = topology
+        self.kv_repeats = kv_replication(num_heads, num_kv_heads, topology.sp_size)
+        self.disable_in_eval = disable_in_eval  # eval forwards run unsplit (their batches are not sharded)
+        self._positions: tuple[torch.Tensor, torch.Tensor] | None = None  # (this forward's shard, gathered)
+
+    def __call__(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        size, group = self.topology.sp_size, self.topology.sp_group
+        if size == 1 or (self.disable_in_eval and not getattr(module, "training", True)):
+            return self.core(module, query, key, value, attention_mask, *args, **kwargs)
+        self._check_heads(query, key)
+        if self.kv_repeats > 1:
+            key = key.repeat_interleave(self.kv_repeats, dim=1)
+            value = value.repeat_interleave(self.kv_repeats, dim=1)
+        query, key, value = (heads_to_ranks(t, size, group) for t in (query, key, value))
+        if kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = self._whole_positions(kwargs["position_ids"])
+        with _kv_groups(module, query.shape[1] // key.shape[1]):
+            out, weights = self.core(module, query, key, value, None, *args, **kwargs)
+        return sequence_to_ranks(out, size, group), weights
+
+    def _check_heads(self, query: torch.Tensor, key: torch.Tensor) -> None:
+        if query.shape[1] != self.num_heads or key.shape[1] != self.num_kv_heads:
+            raise ValueError(f"Ulysses attention was registered for {self.num_heads} query and {self.num_kv_heads} "
+                             f"key/value heads, but got query {tuple(query.shape)} and key {tuple(key.shape)} "
+                             "([batch, heads, seq, head_dim]); register it with this model's config")
+
+    def _whole_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The position ids of the whole sequence (flash attention finds packed documents in them),
+        gathered once per forward: every layer gets the same tensor."""
+        if self._positions is not None and self._positions[0] is positions:
+            return self._positions[1]
+        size = self.topology.sp_size
+        shard = positions.contiguous()
+        out = torch.empty((size, *shard.shape), dtype=shard.dtype, device=shard.device)
+        comm.all_gather_into_tensor(out, shard, group=self.topology.sp_group)
+        whole = out.movedim(0, -2).reshape(*shard.shape[:-1], size * shard.shape[-1])
+        self._positions = (positions, whole)
+        return whole
