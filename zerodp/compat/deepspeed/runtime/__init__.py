@@ -1,7 +1,9 @@
-"""`deepspeed.runtime`: the engine, ZeRO, LR schedules, activation checkpointing and utilities."""
+"""`deepspeed.runtime`: the engine, its config, ZeRO, LR schedules, activation checkpointing, the repeating
+loader and utilities."""
 
 from zerodp.compat.deepspeed._missing import missing_attributes
-from zerodp.compat.deepspeed.runtime import activation_checkpointing, engine, lr_schedules, utils, zero
+from zerodp.compat.deepspeed.runtime import (activation_checkpointing, config, dataloader, engine, lr_schedules,
+                                             utils, zero)
 
-__all__ = ["activation_checkpointing", "engine", "lr_schedules", "utils", "zero"]
+__all__ = ["activation_checkpointing", "config", "dataloader", "engine", "lr_schedules", "utils", "zero"]
 __getattr__ = missing_attributes(__name__)

@@ -1,4 +1,4 @@
-"""`deepspeed.utils`: the logger, `log_dist`, `set_z3_leaf_modules` and zero_to_fp32."""
+"""`deepspeed.utils`: the logger, `log_dist`, `set_z3_leaf_modules`, zero_to_fp32, `OnDevice` and `RepeatingLoader`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import logging
 
 from zerodp import comm
 from zerodp.compat.deepspeed._missing import missing_attributes
+from zerodp.compat.deepspeed.runtime.dataloader import RepeatingLoader
 from zerodp.compat.deepspeed.utils import module_utils, zero_to_fp32
+from zerodp.compat.deepspeed.utils.init_on_device import OnDevice
 from zerodp.log import logger
 from zerodp.zero import set_z3_leaf_modules
 
@@ -17,5 +19,5 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
         logger.log(level, "[Rank %d] %s", comm.get_rank(), message)
 
 
-__all__ = ["log_dist", "logger", "module_utils", "set_z3_leaf_modules", "zero_to_fp32"]
+__all__ = ["OnDevice", "RepeatingLoader", "log_dist", "logger", "module_utils", "set_z3_leaf_modules", "zero_to_fp32"]
 __getattr__ = missing_attributes(__name__)
