@@ -119,7 +119,7 @@ def test_deepspeed_config_resolves_a_dict_or_a_file_as_deepspeed_does(tmp_path: 
             config.bfloat16_config.enabled) == (3, True, True, False, True)
     assert config.zero_config.offload_param.device == OffloadDeviceEnum.cpu
     assert (config.optimizer_name, config.optimizer_params, config.scheduler_name) == ("adamw", {"lr": 1e-3}, "WarmupLR")
-    assert config._param_dict == raw
+    assert config._param_dict == raw and config.torch_autocast_dtype is None and config.communication_data_type is None
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(raw))
     from_file = DeepSpeedConfig(str(path), mpu=_Mpu())  # the mpu's data-parallel size

@@ -23,6 +23,15 @@ from zerodp.config.read import read_input
 from zerodp.log import logger
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_SAME_NAMES = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
+               "gradient_clipping", "prescale_gradients", "gradient_predivide_factor", "memory_breakdown",
+               "dataloader_drop_last", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+               "disable_allgather", "dump_state")
+"""Attributes DeepSpeed's config has under the config key's own name."""
+_SECTIONS = {"zero_config": "zero_optimization", "float16_config": "fp16", "bfloat16_config": "bf16",
+             "activation_checkpointing_config": "activation_checkpointing", "flops_profiler_config": "flops_profiler",
+             "aio_config": "aio", "checkpoint_config": "checkpoint"}
+"""DeepSpeed's attribute -> zerodp's section object."""
 
 
 def _data_parallel_world_size(param_dict: dict[str, Any], mpu: Any, mesh_device: Any) -> int:
@@ -61,37 +70,22 @@ class DeepSpeedConfig:
 
     def _copy_attributes(self, cfg: ZeroDPConfig) -> None:
         """DeepSpeed's attribute names, each from zerodp's resolved section."""
-        self.train_batch_size = cfg.train_batch_size
-        self.train_micro_batch_size_per_gpu = cfg.train_micro_batch_size_per_gpu
-        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
-        self.steps_per_print = cfg.steps_per_print
-        self.gradient_clipping = cfg.gradient_clipping
-        self.prescale_gradients = cfg.prescale_gradients
-        self.gradient_predivide_factor = cfg.gradient_predivide_factor
-        self.communication_data_type = _DTYPES.get(cfg.communication_data_type) if cfg.communication_data_type else None
-        self.zero_config = cfg.zero_optimization
+        for name in _SAME_NAMES:
+            setattr(self, name, getattr(cfg, name))
+        for name, section in _SECTIONS.items():
+            setattr(self, name, getattr(cfg, section))
+        self.communication_data_type = _DTYPES.get(cfg.communication_data_type)
         self.zero_optimization_stage = cfg.zero_optimization.stage
         self.zero_enabled = self.zero_optimization_stage > 0
-        self.float16_config = cfg.fp16
-        self.bfloat16_config = cfg.bf16
         self.torch_autocast_enabled = cfg.torch_autocast.enabled
-        self.torch_autocast_dtype = cfg.torch_autocast.dtype
+        self.torch_autocast_dtype = _DTYPES.get(cfg.torch_autocast.dtype)
         self.torch_autocast_lower_precision_safe_modules = cfg.torch_autocast.lower_precision_safe_modules
-        self.activation_checkpointing_config = cfg.activation_checkpointing
-        self.flops_profiler_config = cfg.flops_profiler
-        self.aio_config = cfg.aio
-        self.checkpoint_config = cfg.checkpoint
-        self.optimizer_name = cfg.optimizer.type.lower() if cfg.optimizer is not None else None
-        self.optimizer_params = cfg.optimizer.params if cfg.optimizer is not None else None
-        self.scheduler_name = cfg.scheduler.type if cfg.scheduler is not None else None
-        self.scheduler_params = cfg.scheduler.params if cfg.scheduler is not None else None
+        optimizer, scheduler = cfg.optimizer, cfg.scheduler
+        self.optimizer_name = optimizer.type.lower() if optimizer is not None else None
+        self.optimizer_params = optimizer.params if optimizer is not None else None
+        self.scheduler_name = scheduler.type if scheduler is not None else None
+        self.scheduler_params = scheduler.params if scheduler is not None else None
         self.wall_clock_breakdown = cfg.wall_clock_breakdown or cfg.flops_profiler.enabled
-        self.memory_breakdown = cfg.memory_breakdown
-        self.dataloader_drop_last = cfg.dataloader_drop_last
-        self.zero_allow_untested_optimizer = cfg.zero_allow_untested_optimizer
-        self.zero_force_ds_cpu_optimizer = cfg.zero_force_ds_cpu_optimizer
-        self.disable_allgather = cfg.disable_allgather
-        self.dump_state = cfg.dump_state
 
     @property
     def fp16_enabled(self) -> bool:
