@@ -67,6 +67,8 @@ def _matrix(nvme: str) -> list[dict]:
          "optimizer": {"type": "Adafactor", "params": {"lr": 1e-2}}},
         {"flops_profiler": {"enabled": True, "profile_step": 1, "module_depth": 1, "top_modules": 2,
                             "detailed": False, "output_file": f"{nvme}/flops.txt"}},
+        {"zero_optimization": {"stage": 2}, "torch_autocast": {"enabled": True, "dtype": "bf16",
+                                                               "lower_precision_safe_modules": ["torch.nn.Linear"]}},
     ]
 
 

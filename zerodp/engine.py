@@ -26,6 +26,7 @@ from zerodp.checkpoint.async_save import AsyncCheckpointer
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ResumableDistributedSampler
 from zerodp.engine_accessors import EngineAccessors
+from zerodp.forward_policy import DEFAULT_COMPILE_BACKEND, ForwardPolicy, compile_from_config
 from zerodp.log import log_rank0, logger
 from zerodp.memory import DEVICE, Category
 from zerodp.offload.park import ParkedStorages
@@ -110,6 +111,8 @@ class Engine(EngineAccessors, nn.Module):
         self.async_saves = AsyncCheckpointer()  # saves written in the background: [Note: async checkpoint commit]
         self._async_save_default = config.checkpoint.async_save
         _clear_strategy_grads_on_module_zero_grad(module, self)
+        self.forward_policy = ForwardPolicy(config, module, strategy.device)  # torch_autocast, compile
+        compile_from_config(self.forward_policy, config.compile)
 
     def watch_phases(self, watcher: "PhaseWatcher") -> None:
         """Run forward, backward and the optimizer step inside `watcher.watching(phase)` from now on
@@ -178,7 +181,8 @@ class Engine(EngineAccessors, nn.Module):
 
     @comm.records_to_own_ledger
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module (inputs cast to fp16 when `fp16.auto_cast`)."""
+        """Run the wrapped module (inputs cast to fp16 when `fp16.auto_cast`; under torch.autocast when
+        `torch_autocast` is enabled: zerodp/forward_policy.py)."""
         self._check_resident("forward")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floats((args, kwargs), torch.float16)
@@ -187,7 +191,7 @@ class Engine(EngineAccessors, nn.Module):
         with timed, self.timers("fwd"), self._explained_errors(), self.doctor.watching("forward"), \
                 checkpointing.count_saved_activations(self._param_storages, self.count_activations) as saved, \
                 self.reporter.flops_profiler.forward(self._forwards if self.forward_only else self.global_steps,
-                                            backward=not self.forward_only):
+                                            backward=not self.forward_only), self.forward_policy.autocast():
             out = self.module(*args, **kwargs)
         self._forwards += 1
         if saved.total > sum(self._saved_peak.values()):
@@ -195,6 +199,16 @@ class Engine(EngineAccessors, nn.Module):
         if self.config.gradient_accumulation_steps > 1 and torch.is_grad_enabled():
             self._divide_direct_backward_by_accumulation(out)
         return out
+
+    def compile(self, backend: Any = DEFAULT_COMPILE_BACKEND, compile_kwargs: dict | None = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """Compile the module in place with torch.compile (DeepSpeed's signature; zerodp/forward_policy.py)."""
+        self.forward_policy.compile(backend, compile_kwargs, schedule, compiled_autograd_enabled)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether `compile()` (or the config's compile section) compiled the module."""
+        return self.forward_policy.is_compiled
 
     def _divide_direct_backward_by_accumulation(self, out: Any) -> None:
         """Make `loss.backward()` on this forward's output divide by the accumulation steps, as
@@ -272,6 +286,7 @@ class Engine(EngineAccessors, nn.Module):
                 self.tput_timer.step_finished()
                 self._record_metrics(scale)
                 self.async_saves.poll()  # publish a finished async save; raise a failed one on every rank
+        self.tput_timer.micro_step_finished()
 
     def _take_model_step(self, lr_kwargs: dict | None) -> float:
         """The boundary's work; returns the loss scale the step ran with."""

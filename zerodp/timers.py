@@ -43,13 +43,26 @@ class Timers:
 
 class ThroughputTimer:
     """DeepSpeed's `engine.tput_timer`: training samples per second over the optimizer steps after
-    the first (which pays for warm-up: allocator growth, first-touch, lazy initialisation)."""
+    the first (which pays for warm-up: allocator growth, first-touch, lazy initialisation), and the
+    epoch / micro-step counters DeepSpeed's timer keeps (DeepSpeed-Chat calls `update_epoch_count()`
+    at the end of each epoch)."""
 
     def __init__(self, batch_size: int) -> None:
         self.batch_size = batch_size  # samples per optimizer step (train_batch_size)
         self.global_step_count = 0
+        self.epoch_count = 0  # update_epoch_count() calls
+        self.micro_step_count = 0  # engine.step() calls since the epoch began
         self._first_end: float | None = None  # when the first step ended
         self._last_end: float | None = None
+
+    def update_epoch_count(self) -> None:
+        """Count an epoch as finished: the epoch counter goes up and the micro-step counter restarts."""
+        self.epoch_count += 1
+        self.micro_step_count = 0
+
+    def micro_step_finished(self) -> None:
+        """Called by the engine at the end of each engine.step() (a micro-batch, boundary or not)."""
+        self.micro_step_count += 1
 
     def step_finished(self) -> None:
         """Called by the engine at the end of each optimizer step."""

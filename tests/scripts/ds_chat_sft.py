@@ -70,6 +70,7 @@ for step in range(first, first + args.steps):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+engine.tput_timer.update_epoch_count()  # DeepSpeed-Chat's step 1 ends each epoch with it
 if not args.resume:
     engine.save_checkpoint(ckpt)
 
@@ -92,4 +93,5 @@ if rank == 0:
                       all(tuple(full[n].shape) == tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
                           for n, p in engine.module.named_parameters()),
                       "num_placeholders": sum(s == (0,) for s in placeholders.values()),
+                      "epochs": engine.tput_timer.epoch_count,
                       "optimizer": type(engine.optimizer).__name__}))

@@ -71,13 +71,12 @@ SWITCHED_SECTIONS: dict[str, tuple[str, str]] = {
     "csv_monitor": ("enabled", _MONITOR), "comet": ("enabled", _MONITOR),
     "hybrid_engine": ("enabled", "the RLHF hybrid engine swaps in DeepSpeed's inference kernels"),
     "data_efficiency": ("enabled", "curriculum learning and data routing belong in the data loader"),
-    "compile": ("deepcompile", "DeepCompile is DeepSpeed's compiler pass; zerodp runs eagerly"),
+    "compile": ("deepcompile", "DeepCompile is DeepSpeed's compiler pass; zerodp compiles the module with "
+                               "torch.compile: engine.compile(), or the section's \"disable\": false"),
     "expert_parallel": ("enabled", "zerodp is data-parallel only: no expert parallelism"),
     "datastates": ("enabled", "the DataStates checkpoint engine is not built in"),
     "comms_logger": ("enabled", "the comms logger is not built in; engine.comm_report() gives every collective "
                                 "of the last step (op, dtype, calls, bytes)"),
-    "torch_autocast": ("enabled", "torch autocast mode is not implemented; the bf16 / fp16 sections train in 16 bits "
-                                  "with fp32 masters"),
 }
 
 NO_EFFECT: dict[str, tuple[Any, str]] = {

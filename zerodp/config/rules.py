@@ -169,6 +169,44 @@ def hierarchy_problems(cfg: ZeroDPConfig, world_size: int) -> list[str]:
     return problems
 
 
+def _autocast_rules(cfg: ZeroDPConfig) -> list[str]:
+    section = cfg.torch_autocast
+    if not section.enabled or section.dtype == "bf16":
+        return []
+    found = "unset (torch's default for the device: float16 on CUDA)" if section.dtype is None else \
+        show_value(section.dtype)
+    if section.dtype == "fp32":
+        return [f"torch_autocast.dtype: {found} with enabled: true autocasts nothing; set \"bf16\", or "
+                "enabled: false"]
+    return [f"torch_autocast.dtype: {found}; zerodp autocasts to bf16 only (fp16 autocast needs a gradient "
+            "scaler, which zerodp builds for the fp16 section alone); set \"dtype\": \"bf16\", or use the "
+            "fp16 section instead of torch_autocast"]
+
+
+DEEPCOMPILE_KEYS = ("deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold",
+                    "offload_activation", "offload_activation_pin_memory", "offload_opt_states", "double_buffer",
+                    "symmetric_memory", "debug_log", "offload_parameters", "sync_before_reduce", "sync_after_reduce",
+                    "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
+                    "keep_all_input_tensors", "passes")
+"""DeepSpeed 0.19.8's `compile` keys: DeepCompile's, which act only with `deepcompile: true` (refused)."""
+TORCH_COMPILE_FORM = {"disable": bool, "backend": str, "kwargs": dict}
+"""The section's torch.compile form, which zerodp compiles with (zerodp/forward_policy.py)."""
+
+
+def _compile_rules(cfg: ZeroDPConfig) -> list[str]:
+    section, problems = cfg.compile or {}, []
+    for key, value in section.items():
+        if key in TORCH_COMPILE_FORM:
+            if not isinstance(value, TORCH_COMPILE_FORM[key]):
+                problems.append(f"compile.{key}: got {show_value(value)}; expected a "
+                                f"{TORCH_COMPILE_FORM[key].__name__}")
+        elif key not in DEEPCOMPILE_KEYS:
+            problems.append(f"compile.{key}: not a key of the compile section (DeepSpeed refuses it too); "
+                            f"expected one of disable, backend, kwargs (torch.compile) or DeepCompile's "
+                            f"{', '.join(DEEPCOMPILE_KEYS)}{hint(key, [*TORCH_COMPILE_FORM, *DEEPCOMPILE_KEYS])}")
+    return problems
+
+
 # Each rule with the key paths it reads: a rule is skipped when one of them failed validation.
 _RULES: tuple[tuple[tuple[str, ...], Callable[[ZeroDPConfig], list[str]]], ...] = (
     (("fp16.enabled", "bf16.enabled"), _one_precision),
@@ -180,6 +218,8 @@ _RULES: tuple[tuple[tuple[str, ...], Callable[[ZeroDPConfig], list[str]]], ...] 
       "zero_optimization.sub_group_size"), _offload_rules),
 
     (("optimizer.params.max_grad_norm", "log_level"), _misc_rules),
+    (("torch_autocast.enabled", "torch_autocast.dtype"), _autocast_rules),
+    (("compile",), _compile_rules),
 )
 
 

@@ -82,6 +82,8 @@ from zerodp.log import logger
 from zerodp.zero import pairing
 from zerodp.zero.units import Unit, UnitState
 
+_eager = torch.compiler.disable  # hooks run outside a compiled module's graph (engine.compile)
+
 
 class PassKind(Enum):
     """Which pass stage 3's hooks run in (see [Note: the pass state])."""
@@ -186,13 +188,13 @@ class Stage3Hooks:
             if unit.keeps_full:
                 continue
             self.forward_hooks += [
-                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True),
-                unit.module.register_forward_hook(partial(self._post_forward, unit))]
+                unit.module.register_forward_pre_hook(_eager(partial(self._pre_forward, unit)), with_kwargs=True),
+                unit.module.register_forward_hook(_eager(partial(self._post_forward, unit)))]
             members = {p for f in unit.flats for p in f.params}
             for m in unit.module.modules():  # submodules called on their own: see [Note: stage-3 hooks]
                 if m is not unit.module and any(p in members for p in m.parameters(recurse=False)):
-                    self.forward_hooks += [m.register_forward_pre_hook(partial(self._pre_forward_alone, unit)),
-                                           m.register_forward_hook(partial(self._post_forward_alone, unit))]
+                    self.forward_hooks += [m.register_forward_pre_hook(_eager(partial(self._pre_forward_alone, unit))),
+                                           m.register_forward_hook(_eager(partial(self._post_forward_alone, unit)))]
 
     def remove_forward_hooks(self) -> None:
         """Remove the hooks install_forward_hooks registered (the units must stay held meanwhile)."""

@@ -16,8 +16,8 @@ import functools
 from _zerodp_as_deepspeed import DEEPSPEED_API_VERSION, version
 
 import zerodp
-from zerodp.compat.deepspeed import (accelerator, checkpoint, comm, compression, launcher, moe, ops, runtime,
-                                     utils)
+from zerodp.compat.deepspeed import (accelerator, checkpoint, comm, compression, git_version_info, launcher, moe,
+                                     ops, runtime, utils)
 from zerodp.compat.deepspeed._missing import missing_attributes
 from zerodp.compat.deepspeed.accelerator import get_accelerator
 from zerodp.compat.deepspeed.comm import init_distributed
@@ -25,6 +25,7 @@ from zerodp.compat.deepspeed.runtime import zero
 from zerodp.compat.deepspeed.runtime.activation_checkpointing import checkpointing
 from zerodp.compat.deepspeed.runtime.engine import DeepSpeedEngine
 from zerodp.compat.deepspeed.runtime.zero import parameter_offload
+from zerodp.compat.deepspeed.utils import OnDevice
 from zerodp.config import ConfigError as DeepSpeedConfigError
 from zerodp.config import add_config_arguments
 from zerodp.log import logger
@@ -41,7 +42,7 @@ def initialize(*args, **kwargs) -> tuple:
 __version__ = version()
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPSPEED_API_VERSION.split("."))
 
-__all__ = ["DeepSpeedConfigError", "DeepSpeedEngine", "__version__", "accelerator", "add_config_arguments",
-           "checkpoint", "checkpointing", "comm", "compression", "get_accelerator", "init_distributed", "initialize",
-           "launcher", "logger", "moe", "ops", "runtime", "utils", "zero"]
+__all__ = ["DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "__version__", "accelerator", "add_config_arguments",
+           "checkpoint", "checkpointing", "comm", "compression", "get_accelerator", "git_version_info",
+           "init_distributed", "initialize", "launcher", "logger", "moe", "ops", "runtime", "utils", "zero"]
 __getattr__ = missing_attributes(__name__)

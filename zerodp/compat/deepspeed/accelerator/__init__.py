@@ -150,4 +150,11 @@ def get_accelerator() -> Accelerator:
     return _accelerator
 
 
+def is_current_accelerator_supported() -> bool:
+    """Whether DeepSpeed supports the accelerator in use: True, since zerodp's is CUDA or the CPU, both
+    in DeepSpeed's list (DeepSpeed's test harness asks before it runs anything)."""
+    return get_accelerator().device_name() in ("cuda", "cpu")
+
+
+__all__ = ["Accelerator", "get_accelerator", "is_current_accelerator_supported"]
 __getattr__ = missing_attributes(__name__)

@@ -35,6 +35,17 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                            distributed_port=distributed_port)
 
 
+def destroy_process_group(group: object = None) -> None:
+    """DeepSpeed's `destroy_process_group`: tear down `group` (None: the default group, after which
+    `is_initialized()` is False and `init_distributed` may be called again). Collectives zerodp launched
+    asynchronously are waited for first, so no backend thread still holds a tensor being freed."""
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("deepspeed.comm.destroy_process_group(): there is no process group to destroy "
+                           "(call deepspeed.init_distributed() first)")
+    _comm.drain_pending()
+    torch.distributed.destroy_process_group(group)
+
+
 def is_available() -> bool:
     return torch.distributed.is_available()
 
@@ -71,7 +82,8 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: o
     return _comm.reduce(tensor, dst, group=group, async_op=async_op)
 
 
-__all__ = ["ReduceOp", "all_gather_into_tensor", "all_reduce", "barrier", "broadcast", "get_global_rank",
+__all__ = ["ReduceOp", "all_gather_into_tensor", "all_reduce", "barrier", "broadcast", "destroy_process_group",
+           "get_global_rank",
            "get_local_rank", "get_rank", "get_world_group", "get_world_size", "init_distributed", "is_available",
            "is_initialized", "reduce", "reduce_scatter_tensor"]
 __getattr__ = missing_attributes(__name__)

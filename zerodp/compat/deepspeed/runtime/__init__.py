@@ -1,9 +1,10 @@
-"""`deepspeed.runtime`: the engine, ZeRO, LR schedules, activation checkpointing, sequence parallelism and utilities."""
+"""`deepspeed.runtime`: the engine, its config, ZeRO, LR schedules, activation checkpointing, sequence
+parallelism, the repeating loader and utilities."""
 
 from zerodp.compat.deepspeed._missing import missing_attributes
-from zerodp.compat.deepspeed.runtime import (activation_checkpointing, engine, lr_schedules, sequence_parallel,
-                                            sequence_tiled_compute, utils, zero)
+from zerodp.compat.deepspeed.runtime import (activation_checkpointing, config, dataloader, engine, lr_schedules,
+                                             sequence_parallel, sequence_tiled_compute, utils, zero)
 
-__all__ = ["activation_checkpointing", "engine", "lr_schedules", "sequence_parallel", "sequence_tiled_compute", "utils",
-           "zero"]
+__all__ = ["activation_checkpointing", "config", "dataloader", "engine", "lr_schedules", "sequence_parallel",
+           "sequence_tiled_compute", "utils", "zero"]
 __getattr__ = missing_attributes(__name__)

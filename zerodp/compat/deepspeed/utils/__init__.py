@@ -1,5 +1,6 @@
-"""`deepspeed.utils`: the logger, `log_dist`, `set_z3_leaf_modules`, the tensor-fragment API
-(`safe_get_full_fp32_param`, ...: zerodp.zero.fragments), zero_to_fp32 and the groups accessors."""
+"""`deepspeed.utils`: the logger, `log_dist`, the z3 leaf-module helpers, the tensor-fragment API
+(`safe_get_full_fp32_param`, ...: zerodp.zero.fragments), zero_to_fp32, the groups accessors, `OnDevice` and
+`RepeatingLoader`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import logging
 
 from zerodp import comm
 from zerodp.compat.deepspeed._missing import missing_attributes
+from zerodp.compat.deepspeed.runtime.dataloader import RepeatingLoader
 from zerodp.compat.deepspeed.utils import groups, module_utils, tensor_fragment, zero_to_fp32
+from zerodp.compat.deepspeed.utils.init_on_device import OnDevice
 from zerodp.compat.deepspeed.utils.tensor_fragment import *  # noqa: F403 (DeepSpeed exports them here too)
 from zerodp.log import logger
 from zerodp.zero import set_z3_leaf_modules
@@ -19,6 +22,6 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
         logger.log(level, "[Rank %d] %s", comm.get_rank(), message)
 
 
-__all__ = ["groups", "log_dist", "logger", "module_utils", "set_z3_leaf_modules", "tensor_fragment", "zero_to_fp32",
-           *tensor_fragment.__all__]
+__all__ = ["OnDevice", "RepeatingLoader", "groups", "log_dist", "logger", "module_utils", "set_z3_leaf_modules",
+           "tensor_fragment", "zero_to_fp32", *tensor_fragment.__all__]
 __getattr__ = missing_attributes(__name__)

@@ -1,8 +1,17 @@
-"""`deepspeed.runtime.zero.offload_config`: the enums scripts and accelerate compare offload settings with."""
+"""`deepspeed.runtime.zero.offload_config`: the offload sections as objects, and the enums scripts and
+accelerate compare offload settings with.
+
+`DeepSpeedZeroOffloadParamConfig(**section)` and `DeepSpeedZeroOffloadOptimizerConfig(**section)` are
+zerodp's own schema for `offload_param` / `offload_optimizer` (zerodp.config): DeepSpeed 0.19.8's keys
+and defaults, an unknown key an error naming it. `device` is a plain string that compares equal to
+the enum (`config.device == OffloadDeviceEnum.cpu`), as DeepSpeed's `use_enum_values` models give.
+"""
 
 from enum import Enum
 
 from zerodp.compat.deepspeed._missing import missing_attributes
+from zerodp.config import OffloadOptimizerConfig as DeepSpeedZeroOffloadOptimizerConfig
+from zerodp.config import OffloadParamConfig as DeepSpeedZeroOffloadParamConfig
 
 
 class OffloadDeviceEnum(str, Enum):
@@ -23,5 +32,6 @@ class OffloadStateTypeEnum(str, Enum):
     contiguous_grad_buffer = "contiguous_grad_buffer"
 
 
-__all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum"]
+__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum",
+           "OffloadStateTypeEnum"]
 __getattr__ = missing_attributes(__name__)
