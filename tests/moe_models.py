@@ -9,11 +9,28 @@ list: what makes a naive per-module stage 3 diverge.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 VOCAB, DIM, HIDDEN, NUM_EXPERTS, TOP_K, NUM_LAYERS = 32, 16, 24, 4, 2, 2
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """Sizes of TinyMoELM (the tests' defaults; bench/moe_units.py builds a larger one)."""
+
+    vocab: int = VOCAB
+    dim: int = DIM
+    hidden: int = HIDDEN
+    num_experts: int = NUM_EXPERTS
+    top_k: int = TOP_K
+    num_layers: int = NUM_LAYERS
+
+
+TINY = MoEShape()
 
 
 class ExpertMLP(nn.Module):
@@ -46,11 +63,11 @@ class MoEGate(nn.Module):
 class DeepseekStyleMoE(nn.Module):
     """gate + experts (ModuleList) + optional shared expert; experts without tokens are skipped."""
 
-    def __init__(self, num_experts: int = NUM_EXPERTS, shared: bool = True) -> None:
+    def __init__(self, shape: MoEShape = TINY, shared: bool = True) -> None:
         super().__init__()
-        self.experts = nn.ModuleList([ExpertMLP() for _ in range(num_experts)])
-        self.gate = MoEGate(num_experts)
-        self.shared_experts = ExpertMLP() if shared else None
+        self.experts = nn.ModuleList([ExpertMLP(shape.dim, shape.hidden) for _ in range(shape.num_experts)])
+        self.gate = MoEGate(shape.num_experts, shape.dim, shape.top_k)
+        self.shared_experts = ExpertMLP(shape.dim, shape.hidden) if shared else None
         self.calls: list[list[int]] = []  # per forward: the experts called (tests read it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,12 +91,12 @@ class DeepseekStyleMoE(nn.Module):
 class MoELayer(nn.Module):
     """A decoder layer: a token mixer (a causal mean over the prefix, then a projection) and a MoE MLP."""
 
-    def __init__(self) -> None:
+    def __init__(self, shape: MoEShape = TINY) -> None:
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(DIM)
-        self.mix = nn.Linear(DIM, DIM)
-        self.post_attention_layernorm = nn.LayerNorm(DIM)
-        self.mlp = DeepseekStyleMoE()
+        self.input_layernorm = nn.LayerNorm(shape.dim)
+        self.mix = nn.Linear(shape.dim, shape.dim)
+        self.post_attention_layernorm = nn.LayerNorm(shape.dim)
+        self.mlp = DeepseekStyleMoE(shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -91,20 +108,21 @@ class MoELayer(nn.Module):
 class TinyMoELM(nn.Module):
     """embed -> NUM_LAYERS MoE layers -> norm -> head; forward(ids, labels) returns the mean loss."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, shape: MoEShape = TINY) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.embed_tokens = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList([MoELayer() for _ in range(NUM_LAYERS)])
-        self.norm = nn.LayerNorm(DIM)
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        self.vocab = shape.vocab
+        self.embed_tokens = nn.Embedding(shape.vocab, shape.dim)
+        self.layers = nn.ModuleList([MoELayer(shape) for _ in range(shape.num_layers)])
+        self.norm = nn.LayerNorm(shape.dim)
+        self.lm_head = nn.Linear(shape.dim, shape.vocab, bias=False)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(ids)
         for layer in self.layers:
             x = layer(x)
         logits = self.lm_head(self.norm(x))
-        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, self.vocab), labels.reshape(-1))
 
     def expert_calls(self) -> list[list[list[int]]]:
         """Per layer, per forward: the experts called."""
