@@ -86,16 +86,24 @@ def _routes_differ(calls_per_rank: list[list]) -> bool:
     return differ
 
 
-@pytest.mark.parametrize("stage,gas", [(0, 1), (1, 1), (2, 1), (3, 1), (3, 2)])
-def test_a_deepseek_style_moe_trains_like_ddp_with_different_routing_per_rank(stage: int, gas: int) -> None:
+LAYER_UNITS = ["<root>", "layers.0", "layers.1"]  # each layer with its MoE block: no expert is a unit of its own
+MARKED = {"leaf_module": {"classes": ["DeepseekStyleMoE"]}}  # the detection off, the blocks marked by the user
+
+
+@pytest.mark.parametrize("stage,gas,zero,units", [
+    (0, 1, {}, []), (1, 1, {}, []), (2, 1, {}, []), (3, 1, {}, LAYER_UNITS), (3, 2, {}, LAYER_UNITS),
+    (3, 1, MARKED, ["<root>", "layers.0.mlp", "layers.1.mlp"]),
+])
+def test_a_deepseek_style_moe_trains_like_ddp_with_different_routing_per_rank(stage: int, gas: int, zero: dict,
+                                                                             units: list[str]) -> None:
     """fp32, 2 ranks, 5 steps: bitwise equal to DDP where the sums run in DDP's order (gas 1), within
     2e-5 in the loss and 1e-4 in the parameters where stage 3 reduces every micro-batch (gas 2:
-    (a1 + b1) + (a2 + b2) against DDP's (a1 + a2) + (b1 + b2))."""
-    results = run_ranks(_parity, 2, args=(gas, stage, {}), timeout=TIMEOUT_S)
-    assert _routes_differ([zero[2] for _, zero in results])
-    for (ref_losses, ref_params, _), (losses, params, _, units) in results:
-        if stage == 3:  # each layer (with its MoE block) is one unit: no expert is a unit of its own
-            assert units == ["<root>", "layers.0", "layers.1"]
+    (a1 + b1) + (a2 + b2) against DDP's (a1 + a2) + (b1 + b2)). Also with the MoE blocks named in
+    `leaf_module` instead of recognised (the line the divergence error proposes)."""
+    results = run_ranks(_parity, 2, args=(gas, stage, zero), timeout=TIMEOUT_S)
+    assert _routes_differ([mine[2] for _, mine in results])
+    for (ref_losses, ref_params, _), (losses, params, _, unit_names) in results:
+        assert unit_names == units
         if gas == 1:
             assert losses == ref_losses
             assert all(torch.equal(params[n], ref) for n, ref in ref_params.items())
@@ -262,3 +270,26 @@ def test_z3_leaf_helpers_have_deepspeeds_semantics() -> None:
     assert not ds_utils.z3_leaf_module(model.layers[0].mlp.gate)
     with pytest.raises(ValueError, match="end with"):
         ds_utils.set_z3_leaf_modules_by_suffix(model, ["zzz"])
+
+
+def _weights_without_calls(rank: int, world: int) -> None:
+    """Each MoE block calls expert 0 but reads expert 1's weight without calling expert 1."""
+    import zerodp
+
+    def forward(block, x: torch.Tensor) -> torch.Tensor:
+        return block.experts[0](x) + torch.nn.functional.linear(x, block.experts[1].up_proj.weight)[..., :x.shape[-1]]
+
+    model = TinyMoELM()
+    for layer in model.layers:
+        layer.mlp.forward = forward.__get__(layer.mlp)
+    engine, *_ = zerodp.initialize(model=model, config=_config(3, 1), optimizer=lambda g: torch.optim.SGD(g, lr=0.1))
+    loss = engine(*moe_batch(rank, 0, 0))
+    engine.backward(loss)
+
+
+def test_an_expert_used_without_being_called_is_named() -> None:
+    """Experts not called count as final at the start of backward ([Note: experts a rank did not
+    call]); a gradient that reaches one anyway is an error naming the parameter, not a silent zero."""
+    with pytest.raises(RankFailed, match=r"'layers.\d.mlp.experts.1.up_proj.weight' received a gradient although no "
+                                         r"forward called its expert module"):
+        run_ranks(_weights_without_calls, 2, timeout=TIMEOUT_S)

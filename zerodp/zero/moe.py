@@ -151,7 +151,9 @@ class ExpertCalls:
     block did not call has no gradient in this backward. Only experts of a block that called at
     least one of them count (a block that uses its experts' weights without calling them, a fused
     or stacked implementation, uses them all), and calls during a recomputation or without grad do
-    not count. A gradient that arrives for such a parameter anyway is an error naming it.
+    not count. Leaf modules (set_z3_leaf_modules) holding a list of identical experts are watched too,
+    their router recognised or not, with the detection on or off: a block gathered whole needs it
+    either way. A gradient that arrives for such a parameter anyway is an error naming it.
     """
 
     def __init__(self, blocks: list[list[nn.Module]]) -> None:
@@ -160,16 +162,14 @@ class ExpertCalls:
         self.handles = [e.register_forward_pre_hook(self._on_call) for experts in blocks for e in experts]
 
     @classmethod
-    def inside(cls, modules: list[nn.Module]) -> "ExpertCalls":
-        """Watch the experts of every MoE block inside `modules` (the stage-3 units' modules)."""
-        seen: set[nn.Module] = set()
+    def inside(cls, model: nn.Module) -> "ExpertCalls":
+        """Watch the experts of every MoE block of `model`, and of every leaf module (set_z3_leaf_modules,
+        `leaf_module`) that holds a list of identical experts, router recognised or not."""
         blocks = []
-        for root in modules:
-            for m in root.modules():
-                experts = _expert_list(m)
-                if m not in seen and experts is not None and _has_router(m, len(experts), experts):
-                    seen.add(m)
-                    blocks.append(list(experts))
+        for m in model.modules():
+            experts = _expert_list(m)
+            if experts is not None and (getattr(m, "_z3_leaf", False) or _has_router(m, len(experts), experts)):
+                blocks.append(list(experts))
         return cls(blocks)
 
     def _on_call(self, expert: nn.Module, args: tuple) -> None:

@@ -203,7 +203,7 @@ class Stage3(Stage3Hooks, Strategy):
         for unit in trainable:
             for p in unit.trainable.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self.expert_calls = ExpertCalls.inside([self.module])  # see [Note: experts a rank did not call]
+        self.expert_calls = ExpertCalls.inside(self.module)  # see [Note: experts a rank did not call]
         self.uncalled_params: set[nn.Parameter] = set()  # this backward's: counted final at its start
         self.module._register_state_dict_hook(self._state_dict_hook)
 
