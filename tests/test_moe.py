@@ -293,3 +293,21 @@ def test_an_expert_used_without_being_called_is_named() -> None:
     with pytest.raises(RankFailed, match=r"'layers.\d.mlp.experts.1.up_proj.weight' received a gradient although no "
                                          r"forward called its expert module"):
         run_ranks(_weights_without_calls, 2, timeout=TIMEOUT_S)
+
+
+def test_trl_dpo_with_a_moe_policy_at_stage_3(tmp_path) -> None:
+    """TRL's DPOTrainer (its reference model included) with a tiny Qwen3-MoE policy, 2 ranks, stage 3, bf16,
+    through the DeepSpeed drop-in (tests/scripts/trl_dpo.py ... moe): the policy starts equal to its reference
+    (zero rewards; the loss is log 2 plus the router's auxiliary loss, which TRL adds for MoE models, 1e-3 here)
+    and learns."""
+    pytest.importorskip("trl")
+    import math
+
+    from tests.test_hf_integration import SCRIPTS, _launch, zerodp_run
+
+    result = _launch([*zerodp_run(), str(SCRIPTS / "trl_dpo.py"), "3", str(tmp_path), "moe"], tmp_path)
+    logs = result["logs"]
+    assert len(logs) == 4 and logs[0]["rewards/chosen"] == 0 == logs[0]["rewards/margins"]
+    assert abs(logs[0]["loss"] - math.log(2)) < 1e-2
+    assert logs[-1]["loss"] < logs[0]["loss"], logs
+    assert result["ref_model"] == "zerodp.engine"
