@@ -45,10 +45,19 @@ def _ddp(rank: int, gas: int) -> tuple[list[float], dict[str, torch.Tensor], lis
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, model.expert_calls()
 
 
+def _checkpoint_layers_reentrant(model: TinyMoELM) -> None:
+    """torch's reentrant checkpointing (transformers' default) around each layer: its forward runs without grad."""
+    for layer in model.layers:
+        forward = layer.forward
+        layer.forward = lambda x, forward=forward: torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=True)
+
+
 def _zerodp(rank: int, gas: int, stage: int, zero: dict) -> tuple[list[float], dict[str, torch.Tensor], list, list]:
     import zerodp
 
     model = TinyMoELM()
+    if zero.pop("reentrant", False):
+        _checkpoint_layers_reentrant(model)
     engine, *_ = zerodp.initialize(model=model, config=_config(stage, gas, **zero),
                                    optimizer=lambda groups: torch.optim.AdamW(groups, **ADAMW))
     units = [u.name for u in getattr(engine.strategy, "units", [])]
@@ -92,14 +101,15 @@ MARKED = {"leaf_module": {"classes": ["DeepseekStyleMoE"]}}  # the detection off
 
 @pytest.mark.parametrize("stage,gas,zero,units", [
     (0, 1, {}, []), (1, 1, {}, []), (2, 1, {}, []), (3, 1, {}, LAYER_UNITS), (3, 2, {}, LAYER_UNITS),
-    (3, 1, MARKED, ["<root>", "layers.0.mlp", "layers.1.mlp"]),
+    (3, 1, MARKED, ["<root>", "layers.0.mlp", "layers.1.mlp"]), (3, 1, {"reentrant": True}, LAYER_UNITS),
 ])
 def test_a_deepseek_style_moe_trains_like_ddp_with_different_routing_per_rank(stage: int, gas: int, zero: dict,
                                                                              units: list[str]) -> None:
     """fp32, 2 ranks, 5 steps: bitwise equal to DDP where the sums run in DDP's order (gas 1), within
     2e-5 in the loss and 1e-4 in the parameters where stage 3 reduces every micro-batch (gas 2:
     (a1 + b1) + (a2 + b2) against DDP's (a1 + a2) + (b1 + b2)). Also with the MoE blocks named in
-    `leaf_module` instead of recognised (the line the divergence error proposes)."""
+    `leaf_module` instead of recognised (the line the divergence error proposes), and with each layer
+    under reentrant checkpointing (its forward runs without grad, and again in backward)."""
     results = run_ranks(_parity, 2, args=(gas, stage, zero), timeout=TIMEOUT_S)
     assert _routes_differ([mine[2] for _, mine in results])
     for (ref_losses, ref_params, _), (losses, params, _, unit_names) in results:

@@ -30,7 +30,8 @@ line to add: `leaf_hint` names the class that holds the diverging modules in a M
 
 from __future__ import annotations
 
-import torch
+from typing import Callable
+
 from torch import nn
 
 ROUTER_NAMES = ("gate", "router", "gating")
@@ -150,19 +151,21 @@ class ExpertCalls:
     autograd graph after every forward; here the MoE block's own dispatch says it: an expert the
     block did not call has no gradient in this backward. Only experts of a block that called at
     least one of them count (a block that uses its experts' weights without calling them, a fused
-    or stacked implementation, uses them all), and calls during a recomputation or without grad do
-    not count. Leaf modules (set_z3_leaf_modules) holding a list of identical experts are watched too,
+    or stacked implementation, uses them all). Calls count inside a training forward (grad enabled
+    at the model's forward, also where reentrant checkpointing runs a block without grad), not in
+    an evaluation forward nor in a recomputation during backward. Leaf modules (set_z3_leaf_modules) holding a list of identical experts are watched too,
     their router recognised or not, with the detection on or off: a block gathered whole needs it
     either way. A gradient that arrives for such a parameter anyway is an error naming it.
     """
 
-    def __init__(self, blocks: list[list[nn.Module]]) -> None:
+    def __init__(self, blocks: list[list[nn.Module]], in_training_forward: Callable[[], bool]) -> None:
         self.blocks = blocks  # per MoE block inside a unit: its experts
+        self.in_training_forward = in_training_forward  # the strategy's pass: a call now counts
         self.called: set[nn.Module] = set()  # experts called by training forwards since the last backward
         self.handles = [e.register_forward_pre_hook(self._on_call) for experts in blocks for e in experts]
 
     @classmethod
-    def inside(cls, model: nn.Module) -> "ExpertCalls":
+    def inside(cls, model: nn.Module, in_training_forward: Callable[[], bool]) -> "ExpertCalls":
         """Watch the experts of every MoE block of `model`, and of every leaf module (set_z3_leaf_modules,
         `leaf_module`) that holds a list of identical experts, router recognised or not."""
         blocks = []
@@ -170,10 +173,10 @@ class ExpertCalls:
             experts = _expert_list(m)
             if experts is not None and (getattr(m, "_z3_leaf", False) or _has_router(m, len(experts), experts)):
                 blocks.append(list(experts))
-        return cls(blocks)
+        return cls(blocks, in_training_forward)
 
     def _on_call(self, expert: nn.Module, args: tuple) -> None:
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # not in a recomputation
+        if self.in_training_forward():
             self.called.add(expert)
 
     def take_uncalled(self) -> list[nn.Module]:

@@ -203,9 +203,16 @@ class Stage3(Stage3Hooks, Strategy):
         for unit in trainable:
             for p in unit.trainable.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self.expert_calls = ExpertCalls.inside(self.module)  # see [Note: experts a rank did not call]
+        self.expert_calls = ExpertCalls.inside(self.module, self._in_training_forward)  # [Note: experts a rank ...]
         self.uncalled_params: set[nn.Parameter] = set()  # this backward's: counted final at its start
         self.module._register_state_dict_hook(self._state_dict_hook)
+
+    def _in_training_forward(self) -> bool:
+        """Inside a forward whose backward will follow (the root's training forward; a model without
+        root hooks runs its forwards in IDLE: then by grad mode), not in a recomputation."""
+        kind = self.passes.kind
+        return kind is PassKind.TRAINING_FORWARD or (
+            kind is PassKind.IDLE and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1)
 
     # --- backward --------------------------------------------------------------------------------------
 
