@@ -33,7 +33,7 @@ import functools
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -231,11 +231,11 @@ def remove(model: nn.Module) -> None:
             del module._zerodp_checkpointed
 
 
-def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def repeated_blocks(model: nn.Module, skip: Collection[nn.Module] = ()) -> list[tuple[str, nn.Module]]:
     """(name, block) for each child of the model's largest non-empty nn.ModuleList (a transformer's
     layers), the same module object once; [] when there is none. Checkpointing's "blocks" policy
-    and stage 3's default units both use it."""
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    and stage 3's default units both use it; stage 3 skips the lists inside MoE blocks (`skip`)."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) and m not in skip]
     if not lists:
         return []
     name, largest = max(lists, key=lambda nm: len(nm[1]))

@@ -1,6 +1,6 @@
 """TRL's DPOTrainer with its reference model, on a DeepSpeed config, as users write it; nothing zerodp-specific.
 
-    zerodp run --nproc-per-node 2 tests/scripts/trl_dpo.py STAGE OUT_DIR            # on zerodp
+    zerodp run --nproc-per-node 2 tests/scripts/trl_dpo.py STAGE OUT_DIR [moe]      # on zerodp
     DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 tests/scripts/trl_dpo.py STAGE OUT_DIR   # on DeepSpeed
 
 A tiny Llama and a word-level tokenizer are built from configs and saved (no hub downloads); DPOTrainer
@@ -20,10 +20,12 @@ from datasets import Dataset
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                          TrainerCallback)
 from trl import DPOConfig, DPOTrainer
 
 stage = int(sys.argv[1])
+MOE = sys.argv[3:] == ["moe"]  # optional third argument: a Qwen3-MoE policy instead of the Llama
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(61)]
 DS_CONFIG = {
     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -39,10 +41,14 @@ def save_base(path: str) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
                             unk_token="<unk>").save_pretrained(path)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    LlamaForCausalLM(config).save_pretrained(path)
+    common = dict(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                  pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    if MOE:  # a mixture-of-experts policy: 4 experts, top-1, so the ranks route differently
+        Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32,
+                                           head_dim=16, **common)).save_pretrained(path)
+        return
+    LlamaForCausalLM(LlamaConfig(**common)).save_pretrained(path)
 
 
 def preferences(n: int = 16) -> Dataset:

@@ -7,7 +7,9 @@ from zerodp.zero.stage0 import Stage0
 from zerodp.zero.stage12 import Stage1, Stage2
 from zerodp.zero.stage3 import Stage3
 from zerodp.zero.init import GatheredParameters, Init, is_partitioned
-from zerodp.zero.units import register_external_parameter, set_z3_leaf_modules
+from zerodp.zero.units import (get_z3_leaf_modules, register_external_parameter, set_z3_leaf_modules,
+                               set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules,
+                               z3_leaf_module)
 
 _STRATEGIES: dict[int, type[Strategy]] = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
 
@@ -18,4 +20,5 @@ def strategy_class(config) -> type[Strategy]:
 
 
 __all__ = ["GatheredParameters", "Init", "Stage0", "Stage1", "Stage2", "Stage3", "Strategy", "is_partitioned", "register_external_parameter", "set_z3_leaf_modules",
-           "strategy_class"]
+           "strategy_class", "get_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
+           "unset_z3_leaf_modules", "z3_leaf_module"]

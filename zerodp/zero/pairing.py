@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from zerodp import comm
+from zerodp.zero.moe import leaf_hint
 from zerodp.zero.trace import UnitTrace
 from zerodp.zero.units import Unit
 
@@ -39,9 +40,10 @@ def check_same_unit(units: list[Unit], unit: Unit, kind: int) -> None:
     rows = comm.all_gather_rows(row).tolist()
     if len({i for i, _ in rows}) > 1:
         names = ", ".join(f"rank {r}: {units[i].name}" for r, (i, _) in enumerate(rows))
+        hint = leaf_hint(units[0].module, [units[i].name for i, _ in rows])  # units[0]: the root, the model
         raise RuntimeError(f"ZeRO stage 3: ranks are about to gather different modules ({names}); every rank "
                            "must run the same modules in the same order (data-dependent control flow that "
-                           "differs between ranks cannot be sharded this way)")
+                           f"differs between ranks cannot be sharded this way).{hint}")
     _raise_if_passes_differ([kind for _, kind in rows])
 
 
@@ -70,10 +72,20 @@ def check_same_order(trace: UnitTrace, units: list[Unit]) -> None:
     with comm.ledger.outside_step():
         orders = comm.gather_messages(trace.describe([u.name for u in units]))
     lines = "\n".join(f"  rank {r}: {o}" for r, o in enumerate(orders))
+    hint = leaf_hint(units[0].module, _first_difference([o.split(" -> ") for o in orders]))
     raise RuntimeError("ZeRO stage 3: ranks ran different modules in this forward/backward, so their "
                        "parameter gathers paired up wrongly and this micro-batch's results are invalid. "
                        f"Units run per rank (first difference marked):\n{lines}\nEvery rank must run the "
-                       "same modules in the same order; if a branch depends on the data, run it on every rank")
+                       f"same modules in the same order; if a branch depends on the data, run it on every rank.{hint}")
+
+
+def _first_difference(orders: list[list[str]]) -> list[str]:
+    """Each rank's unit at the first position where the ranks' orders differ."""
+    for position in range(max(len(o) for o in orders)):
+        at = [o[position] if position < len(o) else "" for o in orders]
+        if len(set(at)) > 1:
+            return [name for name in at if name]
+    return []
 
 
 def _raise_if_passes_differ(kinds: list[int], by_rank: bool = True) -> None:

@@ -33,6 +33,7 @@ from zerodp.zero import pairing
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import trainable_in_registration_order
 from zerodp.zero.init import gather_init_param, is_partitioned, release_init_shard
+from zerodp.zero.moe import ExpertCalls
 from zerodp.zero.stage12 import MAX_BUCKETS_IN_FLIGHT, check_elementwise
 from zerodp.zero.stage3_hooks import PassKind, Stage3Hooks
 from zerodp.zero.topology import stage3_partition
@@ -95,8 +96,10 @@ class Stage3(Stage3Hooks, Strategy):
                 module, leaf.classes, leaf.names, leaf.name_suffixes):
             raise ValueError(f"zero_optimization.leaf_module {leaf.model_dump()} matches no module of the model: "
                              "give class names, module names or name suffixes that exist")
+        # DeepSpeed's default leaf classes are its MoE blocks; zerodp's default is to recognise MoE blocks
+        # by structure, and a `classes` list in the config replaces that default too ([Note: MoE blocks ...])
         plan = plan_units(module, int(zero.stage3_param_persistence_threshold),
-                          int(zero.stage3_model_persistence_threshold))
+                          int(zero.stage3_model_persistence_threshold), detect_moe="classes" not in leaf.model_fields_set)
         self.group_of = {p: g for g, group in enumerate(param_groups) for p in group["params"]}
         position = {p: i for i, p in enumerate(module.parameters())}
         # trainable params of a unit ordered by optimizer group: each group is one contiguous range
@@ -201,7 +204,16 @@ class Stage3(Stage3Hooks, Strategy):
         for unit in trainable:
             for p in unit.trainable.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.expert_calls = ExpertCalls.inside(self.module, self._in_training_forward)  # [Note: experts a rank ...]
+        self.uncalled_params: set[nn.Parameter] = set()  # this backward's: counted final at its start
         self.module._register_state_dict_hook(self._state_dict_hook)
+
+    def _in_training_forward(self) -> bool:
+        """Inside a forward whose backward will follow (the root's training forward; a model without
+        root hooks runs its forwards in IDLE: then by grad mode), not in a recomputation."""
+        kind = self.passes.kind
+        return kind is PassKind.TRAINING_FORWARD or (
+            kind is PassKind.IDLE and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1)
 
     # --- backward --------------------------------------------------------------------------------------
 
@@ -212,6 +224,17 @@ class Stage3(Stage3Hooks, Strategy):
         self.sequence.reset()
         for unit in self.units:
             unit.grads_pending = len(unit.trainable.params) if unit.trainable is not None else 0
+        self._count_uncalled_experts()
+
+    def _count_uncalled_experts(self) -> None:
+        """The trainable parameters of experts no forward called get no gradient in this backward:
+        final now ([Note: experts a rank did not call] in zero/moe.py)."""
+        uncalled = [p for e in self.expert_calls.take_uncalled() for p in e.parameters() if p in self.group_of]
+        self.uncalled_params = set(uncalled)
+        for p in uncalled:
+            unit = self.unit_of[p]
+            unit.grads_pending -= 1
+            self.sequence.grad_ready(self.reduce_slot[unit], self.names.get(p, "?"))
 
     def _launch_reduce(self, unit: Unit) -> None:
         """Pack the unit's gradients (freeing them) and reduce-scatter them to their owners."""

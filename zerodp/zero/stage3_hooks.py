@@ -355,6 +355,11 @@ class Stage3Hooks:
     @comm.records_to_own_ledger
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         self._entering_backward_hook()
+        if p in self.uncalled_params:
+            raise RuntimeError(f"ZeRO stage 3: '{self.names.get(p, '?')}' received a gradient although no forward "
+                               "called its expert module since the last backward, so its gradient was counted as "
+                               "zero; a mixture-of-experts block must call an expert module whenever it uses "
+                               "that expert's weights (zerodp.zero.moe's [Note: experts a rank did not call])")
         unit = self.unit_of[p]
         unit.grads_pending -= 1
         self.sequence.grad_ready(self.reduce_slot[unit], self.names.get(p, "?"))

@@ -18,7 +18,9 @@ backward. That is why a unit must be gathered before its backward runs (the pre-
 [Note: choosing units]
 `zerodp.zero.set_z3_leaf_modules(model, [Block])` (DeepSpeed's name) makes every module of those
 classes a unit. Otherwise each child of the model's largest `nn.ModuleList` (its repeated blocks)
-is a unit. Every parameter outside those units belongs to the root unit, the whole model, which
+is a unit, the expert lists of mixture-of-experts blocks left out of that choice. A MoE block is
+never split: one inside a chosen unit stays in it whole, one outside every unit, or holding marked
+modules, is a unit itself (zero/moe.py's [Note: MoE blocks are gathered whole]). Every parameter outside those units belongs to the root unit, the whole model, which
 stays gathered from the start of forward to the end of backward (FSDP2's root): embeddings, the
 output head and parameters used outside their own module's forward (a head tied to the embedding,
 `F.linear(h, self.wte.weight)`) are then always available. A parameter registered in two units
@@ -34,7 +36,7 @@ import itertools
 from dataclasses import dataclass
 from functools import partial
 from enum import Enum
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 from torch import nn
@@ -44,6 +46,7 @@ from zerodp.checkpointing import repeated_blocks
 from zerodp.memory import nbytes
 from zerodp.offload.param_swap import resident
 from zerodp.zero.layout import GroupLayout, group_layout
+from zerodp.zero.moe import find_moe_blocks, inside_blocks, outermost
 from zerodp.zero.topology import Partition
 
 
@@ -358,16 +361,93 @@ class Unit:
 # choosing units (see [Note: choosing units])
 
 
-def set_z3_leaf_modules(model: nn.Module, leaf_classes: list[type]) -> list[nn.Module]:
-    """Make every module of `leaf_classes` in `model` one stage-3 unit (its whole subtree is
-    gathered and released together). Call before `zerodp.initialize`. Returns the modules marked."""
-    classes = tuple(leaf_classes)
-    marked = [m for m in model.modules() if isinstance(m, classes)]
-    if not marked:
-        raise ValueError(f"no module of classes {[c.__name__ for c in classes]} in the model")
-    for m in marked:
-        m._z3_leaf = True
-    return marked
+LeafClass = Union[type, str]
+"""A leaf-module class: the class, its name (`"MixtralSparseMoeBlock"`) or its qualified name
+(`"transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock"`), as DeepSpeed accepts."""
+
+
+def z3_leaf_module(model: nn.Module) -> bool:
+    """Whether `model` (a module) is flagged as a stage-3 leaf module (set_z3_leaf_modules)."""
+    return bool(getattr(model, "_z3_leaf", False))
+
+
+def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` flagged as stage-3 leaf modules, in module order."""
+    return [m for m in model.modules() if z3_leaf_module(m)]
+
+
+def _class_matches(module: nn.Module, leaf_class: LeafClass) -> bool:
+    if isinstance(leaf_class, type):
+        return isinstance(module, leaf_class)
+    cls = type(module)
+    return leaf_class in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _flag_classes(model: nn.Module, leaf_classes: list[LeafClass], flag: bool,
+                  raise_if_not_found: bool) -> list[nn.Module]:
+    bad = [c for c in leaf_classes if not isinstance(c, (type, str))]
+    if bad:
+        raise ValueError(f"leaf_module_classes must be classes or class names; got {bad!r}")
+    matched = [m for m in model.modules() if any(_class_matches(m, c) for c in leaf_classes)]
+    if not matched and raise_if_not_found:
+        names = [c if isinstance(c, str) else c.__name__ for c in leaf_classes]
+        raise ValueError(f"no module of classes {names} in the model ({type(model).__name__}): give classes "
+                         "(or their names) of modules the model contains")
+    for m in matched:
+        m._z3_leaf = flag
+    return matched
+
+
+def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: list[LeafClass],
+                        raise_if_not_found: bool = True) -> list[nn.Module]:
+    """Make every module of `leaf_module_classes` (classes or class names) in `model` one stage-3
+    unit: its whole subtree is gathered and released together, so a mixture-of-experts block whose
+    experts differ per rank gathers all of them on every rank. Call before `zerodp.initialize`.
+    Returns the modules marked; raises ValueError when none matches unless `raise_if_not_found`
+    is False (DeepSpeed's signature)."""
+    return _flag_classes(model, list(leaf_module_classes), True, raise_if_not_found)
+
+
+def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: list[LeafClass],
+                          raise_if_not_found: bool = True) -> list[nn.Module]:
+    """Clear the leaf flag of every module of `leaf_module_classes`; returns those modules."""
+    return _flag_classes(model, list(leaf_module_classes), False, raise_if_not_found)
+
+
+def set_z3_leaf_modules_by_name(model: nn.Module, module_names: list[str], flag: bool = True,
+                                raise_if_not_found: bool = True) -> tuple[list[nn.Module], list[str]]:
+    """Set the leaf flag (`flag`, default True) of the modules named in `model.named_modules()`;
+    returns (modules matched, names not found). Raises ValueError on a missing name unless
+    `raise_if_not_found` is False."""
+    by_name = dict(model.named_modules())
+    missing = [n for n in module_names if n not in by_name]
+    if missing and raise_if_not_found:
+        raise ValueError(f"no modules named {missing} in the model ({type(model).__name__}); names are "
+                         "those of model.named_modules(), e.g. 'model.layers.0.mlp'")
+    matched = [by_name[n] for n in module_names if n in by_name]
+    for m in matched:
+        m._z3_leaf = flag
+    return matched, missing
+
+
+def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: list[str], flag: bool = True,
+                                  raise_if_not_found: bool = True) -> tuple[list[nn.Module], list[str]]:
+    """Set the leaf flag (`flag`, default True) of every module whose name in `model.named_modules()`
+    ends with one of `module_name_suffixes`; returns (modules matched, each once; suffixes that
+    matched nothing). Raises ValueError on an unmatched suffix unless `raise_if_not_found` is False."""
+    named = list(model.named_modules())
+    matched: list[nn.Module] = []
+    missing: list[str] = []
+    for suffix in module_name_suffixes:
+        hits = [m for n, m in named if n.endswith(suffix)]
+        if not hits:
+            missing.append(suffix)
+        matched += [m for m in hits if not any(m is k for k in matched)]
+    if missing and raise_if_not_found:
+        raise ValueError(f"no module names end with {missing} in the model ({type(model).__name__})")
+    for m in matched:
+        m._z3_leaf = flag
+    return matched, missing
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -386,9 +466,11 @@ class UnitPlan:
     persistent: list[nn.Parameter]
 
 
-def plan_units(model: nn.Module, persistence_threshold: int, model_persistence_threshold: int) -> UnitPlan:
-    """Assign every parameter of `model` to exactly one unit; see [Note: choosing units]."""
-    roots = _unit_roots(model)
+def plan_units(model: nn.Module, persistence_threshold: int, model_persistence_threshold: int,
+               detect_moe: bool = True) -> UnitPlan:
+    """Assign every parameter of `model` to exactly one unit; see [Note: choosing units].
+    `detect_moe` (default True): keep each mixture-of-experts block whole (zero/moe.py)."""
+    roots = _unit_roots(model, detect_moe)
     unit_of_module: dict[nn.Module, int] = {}
     for i, (_, m) in enumerate(roots, start=1):
         for sub in m.modules():
@@ -423,21 +505,21 @@ def full_numel(p: torch.Tensor) -> int:
 
 def mark_leaf_modules_from_config(model: nn.Module, classes: list[str], names: list[str],
                                   name_suffixes: list[str]) -> int:
-    """`zero_optimization.leaf_module`: mark modules by class name, module name or name suffix as
-    units (as set_z3_leaf_modules does); returns how many were marked."""
-    marked = 0
-    for name, m in model.named_modules():
-        if m is not model and (type(m).__name__ in classes or name in names
-                               or any(name.endswith(s) for s in name_suffixes)):
-            m._z3_leaf = True
-            marked += 1
-    return marked
+    """`zero_optimization.leaf_module`: mark modules by class name (short or qualified), module name
+    or name suffix as units (as set_z3_leaf_modules does); returns how many were marked."""
+    marked = _flag_classes(model, classes, True, raise_if_not_found=False) if classes else []
+    marked += set_z3_leaf_modules_by_name(model, names, raise_if_not_found=False)[0]
+    marked += set_z3_leaf_modules_by_suffix(model, name_suffixes, raise_if_not_found=False)[0]
+    return len({id(m) for m in marked if m is not model})
 
 
-def _unit_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules marked by set_z3_leaf_modules (outermost only), else the model's repeated blocks."""
-    marked = [(n, m) for n, m in model.named_modules() if getattr(m, "_z3_leaf", False) and m is not model]
-    if marked:
-        inside = {sub for _, m in marked for sub in list(m.modules())[1:]}
-        return [(n, m) for n, m in marked if m not in inside]
-    return repeated_blocks(model)
+def _unit_roots(model: nn.Module, detect_moe: bool) -> list[tuple[str, nn.Module]]:
+    """Modules marked by set_z3_leaf_modules, else the model's repeated blocks; with `detect_moe`,
+    the MoE blocks too and no expert list as the repeated blocks. Outermost only, in module order."""
+    moe = [(n, m) for n, m in find_moe_blocks(model) if m is not model] if detect_moe else []
+    marked = [(n, m) for n, m in model.named_modules() if z3_leaf_module(m) and m is not model]
+    roots = marked or repeated_blocks(model, skip=inside_blocks(moe))
+    if not moe:
+        return outermost(roots)
+    position = {m: i for i, m in enumerate(model.modules())}
+    return sorted(outermost(roots + moe), key=lambda nm: position[nm[1]])

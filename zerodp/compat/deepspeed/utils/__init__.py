@@ -13,7 +13,8 @@ from zerodp.compat.deepspeed.utils import groups, module_utils, tensor_fragment,
 from zerodp.compat.deepspeed.utils.init_on_device import OnDevice
 from zerodp.compat.deepspeed.utils.tensor_fragment import *  # noqa: F403 (DeepSpeed exports them here too)
 from zerodp.log import logger
-from zerodp.zero import set_z3_leaf_modules
+from zerodp.zero import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name,
+                         set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules, z3_leaf_module)
 
 
 def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
@@ -22,6 +23,7 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
         logger.log(level, "[Rank %d] %s", comm.get_rank(), message)
 
 
-__all__ = ["OnDevice", "RepeatingLoader", "groups", "log_dist", "logger", "module_utils", "set_z3_leaf_modules",
-           "tensor_fragment", "zero_to_fp32", *tensor_fragment.__all__]
+__all__ = ["OnDevice", "RepeatingLoader", "get_z3_leaf_modules", "groups", "log_dist", "logger", "module_utils",
+           "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "tensor_fragment",
+           "unset_z3_leaf_modules", "z3_leaf_module", "zero_to_fp32", *tensor_fragment.__all__]
 __getattr__ = missing_attributes(__name__)
