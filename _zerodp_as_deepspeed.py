@@ -13,7 +13,7 @@ DeepSpeed install untouched. `install()` puts one finder first on `sys.meta_path
   naming it;
 - `importlib.metadata` finds a `deepspeed` distribution whose version is the DeepSpeed release whose
   API the compatibility package follows, with zerodp's own version as the local part
-  (`0.19.8+zerodp.0.1.0`): transformers and accelerate check both that metadata exists and the version.
+  (`0.20.2+zerodp.0.1.0`): transformers and accelerate check both that metadata exists and the version.
 
 This file is a top-level module, not part of the `zerodp` package, so the start-up hook does not import
 torch; nothing here imports zerodp until a program imports `deepspeed`.
@@ -33,8 +33,12 @@ import sys
 
 ENV_VAR = "ZERODP_AS_DEEPSPEED"
 TARGET = "zerodp.compat.deepspeed"
-DEEPSPEED_API_VERSION = "0.19.8"
-"""The DeepSpeed release whose module paths and signatures zerodp.compat.deepspeed follows."""
+DEEPSPEED_API_VERSION = "0.20.2"
+"""The DeepSpeed release zerodp.compat.deepspeed reports. Its module paths and signatures follow 0.19.8
+(what the tests compare against); 0.20.2 is reported because libraries gate behaviour on it where zerodp
+already behaves as 0.20.2 does: ZeRO-3 sums sequence-parallel gradients over the group (DeepSpeed #8854),
+and transformers' Trainer multiplies each rank's loss share by the group size for older releases, which
+on zerodp would scale the gradients by it."""
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")

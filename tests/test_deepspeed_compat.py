@@ -49,7 +49,7 @@ def test_the_switch_makes_import_deepspeed_zerodp_and_reports_a_deepspeed_distri
     """, env={switch.ENV_VAR: "1"})
     assert out.returncode == 0, out.stderr
     zerodp_version = __import__("importlib.metadata").metadata.version("zerodp")
-    assert out.stdout.split() == [f"0.19.8+zerodp.{zerodp_version}"] * 2 + ["deepspeed"]
+    assert out.stdout.split() == [f"0.20.2+zerodp.{zerodp_version}"] * 2 + ["deepspeed"]
 
 
 def test_without_the_switch_deepspeed_is_whatever_is_installed(tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ def test_without_the_switch_deepspeed_is_whatever_is_installed(tmp_path: Path) -
     for off in ("0", "false", ""):
         assert _python(probe, env={switch.ENV_VAR: off}, pythonpath=str(tmp_path)).stdout.split() == ["True", "0.18.0"]
     zerodp = _python(probe, env={switch.ENV_VAR: "1"}, pythonpath=f"{tmp_path}{os.pathsep}{REPO}")
-    assert zerodp.stdout.split()[0] == "False" and zerodp.stdout.split()[1].startswith("0.19.8+zerodp."), zerodp.stderr
+    assert zerodp.stdout.split()[0] == "False" and zerodp.stdout.split()[1].startswith("0.20.2+zerodp."), zerodp.stderr
 
 
 def test_an_unknown_switch_value_is_named_and_changes_nothing() -> None:

@@ -2,7 +2,7 @@
 
     from deepspeed.git_version_info import version, torch_info, installed_ops, compatible_ops
 
-`version` is the version the switch reports (`0.19.8+zerodp.<zerodp version>`). zerodp is no git build
+`version` is the version the switch reports (`0.20.2+zerodp.<zerodp version>`). zerodp is no git build
 of DeepSpeed, so `git_hash` and `git_branch` are DeepSpeed's "[none]" for a tree built outside git.
 `torch_info` describes the torch in this process, with DeepSpeed's "0.0" for a toolkit it lacks.
 zerodp compiles no kernels: an op is True in `installed_ops` / `compatible_ops` only where
