@@ -46,11 +46,6 @@ def inspect_checkpoint(ckpt_dir: str | Path, tag: str | None = None, deep: bool 
     return _inspect_zerodp(resolve_tag_dir(root, tag), deep)
 
 
-def describe(ckpt_dir: str | Path, tag: str | None = None) -> str:
-    """A summary of a checkpoint: what saved it and what its files hold (`inspect_checkpoint`'s lines)."""
-    return "\n".join(inspect_checkpoint(ckpt_dir, tag).lines)
-
-
 def _inspect_zerodp(tag_dir: Path, deep: bool) -> Inspection:
     meta = read_meta(tag_dir)  # meta.json against its checksum: damage there raises, naming it
     numel = sum(math.prod(p["shape"]) for p in meta["params"].values())
