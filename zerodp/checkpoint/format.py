@@ -199,7 +199,7 @@ def complete_tags(root: Path, candidates: list[str]) -> dict[str, int]:
     complete = {}
     for tag in candidates:
         try:
-            complete[tag] = int(json.loads((root / tag / META).read_text()).get("global_steps", -1))
+            complete[tag] = int(json.loads(read_small_file(root / tag / META, MAX_META_BYTES)).get("global_steps", -1))
         except FileNotFoundError:
             continue
         except (OSError, ValueError, TypeError, AttributeError):
