@@ -94,7 +94,7 @@ def test_links_at_every_file_name_inside_a_stale_tag_tmp_are_not_written_through
                                                                                   victim: Path) -> None:
     """Two ranks, a TAG.tmp left by a crashed save holding a link at each name the save writes there."""
     root = tmp_path / "ckpt"
-    names = ["rank_0_of_2.pt", "rank_1_of_2.pt", "rng_0.pt", "rng_1.pt", "engine.pt", "meta.json"]
+    names = ["rank_0_of_2.pt", "rank_1_of_2.pt", "rng_0.pt", "rng_1.pt", "engine.pt", "meta.json", "meta.json.sha256"]
     _plant(root / "t.tmp", names, victim)
     weights = run_ranks(_save, 2, args=(str(root),), timeout=120)
     _assert_untouched(victim)
@@ -192,6 +192,8 @@ def test_convert_from_deepspeed_replaces_links_at_latest_tmp_and_tag_tmp(tmp_pat
 def _as_node_local(saved_root: Path, hosts_root: Path) -> list[Path]:
     """The 2-rank checkpoint `saved_root` as a node-local save of two hosts of one rank each: each
     host's directory holds its rank's files and engine.pt, and a meta.json whose `nodes` says so."""
+    from zerodp.checkpoint.format import write_meta
+
     meta = json.loads((saved_root / "t" / "meta.json").read_text())
     meta["nodes"] = [{"host": f"h{r}", "ranks": [r], "files": ["engine.pt", f"rank_{r}_of_2.pt", f"rng_{r}.pt"]}
                      for r in range(2)]
@@ -201,7 +203,7 @@ def _as_node_local(saved_root: Path, hosts_root: Path) -> list[Path]:
         tag_dir.mkdir(parents=True)
         for name in node["files"]:
             shutil.copyfile(saved_root / "t" / name, tag_dir / name)
-        (tag_dir / "meta.json").write_text(json.dumps(meta))
+        write_meta(tag_dir, meta)  # with its checksum, as a node-local save writes it
         (tag_dir.parent / "latest").write_text("t")
         hosts.append(tag_dir.parent)
     return hosts
@@ -214,7 +216,8 @@ def test_gather_replaces_links_at_its_temporary_names(tmp_path: Path, victim: Pa
     hosts = _as_node_local(saved[0], tmp_path / "hosts")
     out = tmp_path / "merged"
     if planted == "files in t.tmp":
-        _plant(out / "t.tmp", ["engine.pt", "rank_0_of_2.pt", "rank_1_of_2.pt", "rng_1.pt", "meta.json"], victim)
+        _plant(out / "t.tmp", ["engine.pt", "rank_0_of_2.pt", "rank_1_of_2.pt", "rng_1.pt", "meta.json", "meta.json.sha256"],
+               victim)
     else:
         _plant(out, [planted], victim.parent if planted == "t.tmp" else victim)
     assert main(["ckpt", "gather", *map(str, hosts), "--out", str(out)]) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -199,9 +200,7 @@ def _corrupt(root: Path, how: str) -> None:
     elif how == "missing":
         shard.unlink()
     else:  # a newer format
-        meta = json.loads((root / "t" / "meta.json").read_text())
-        meta["format_version"] = 99
-        (root / "t" / "meta.json").write_text(json.dumps(meta))
+        _rewrite_meta(root, lambda meta: meta.__setitem__("format_version", 99))
 
 
 @pytest.mark.parametrize("how,message", [
@@ -229,10 +228,18 @@ def _load_outcome(rank: int, world: int, root: str):
 
 
 def _rewrite_meta(root: Path, edit) -> None:
-    path = root / "t" / "meta.json"
-    meta = json.loads(path.read_text())
+    """meta.json edited on purpose, its checksum (meta.json.sha256) rewritten to match."""
+    from zerodp.checkpoint.format import write_meta
+
+    meta = json.loads((root / "t" / "meta.json").read_text())
     edit(meta)
-    path.write_text(json.dumps(meta))
+    write_meta(root / "t", meta)
+
+
+def _write_meta_bytes(root: Path, data: bytes) -> None:
+    """meta.json replaced by `data`, with a matching meta.json.sha256: the checks after the checksum's."""
+    (root / "t" / "meta.json").write_bytes(data)
+    (root / "t" / "meta.json.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  meta.json\n")
 
 
 def _legacy_pickle_rng(root: Path) -> None:
@@ -254,8 +261,8 @@ def _escaping_name(root: Path) -> None:
     (lambda root: (root / "t" / "rng_1.pt").write_bytes(b"damaged"), r"rng_1.pt is corrupt"),
     (lambda root: _rewrite_meta(root, lambda m: m["files"]["rank_0_of_2.pt"].pop("sha256")),
      r"meta.json is damaged: files\['rank_0_of_2.pt'\]: 'sha256' is None, expected 64 hex digits"),
-    (lambda root: (root / "t" / "meta.json").write_bytes(b"\xff\xfe garbage"), r"meta.json is damaged: not valid UTF-8 JSON"),
-    (lambda root: (root / "t" / "meta.json").write_text('{"format_version": 1, "files": '), r"meta.json is damaged"),
+    (lambda root: _write_meta_bytes(root, b"\xff\xfe garbage"), r"meta.json is damaged: not valid UTF-8 JSON"),
+    (lambda root: _write_meta_bytes(root, b'{"format_version": 1, "files": '), r"meta.json is damaged: not valid"),
     (_escaping_name, r"rank_x/../../outside.pt'\]: not a file name a zerodp save writes"),
     (_legacy_pickle_rng, r"rng_1.pt is not a zerodp checkpoint file"),
 ], ids=["rng file", "sha256 entry", "meta not utf-8", "meta not json", "escaping name", "legacy pickle"])

@@ -116,8 +116,10 @@ def test_shard_sizes_are_read_as_hugging_face_writes_them(text: str, size: int) 
 
 
 def test_a_bad_shard_size_and_a_missing_checkpoint_are_one_line_each(tmp_path, capsys) -> None:
-    assert main(["ckpt", "convert", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "5 parsecs"]) == 1
-    assert "--max-shard-size '5 parsecs': expected a size such as 5GB" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # a usage error (exit 2), before the checkpoint is looked at
+        main(["ckpt", "convert", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-size", "5 parsecs"])
+    assert exited.value.code == 2
+    assert "argument --max-shard-size: '5 parsecs': expected a size such as 5GB" in capsys.readouterr().err
     assert main(["ckpt", "inspect", str(tmp_path / "nowhere")]) == 1
     assert capsys.readouterr().err == f"zerodp ckpt inspect: {tmp_path / 'nowhere'} does not exist\n"
 

@@ -79,3 +79,72 @@ def test_compare_out_naming_a_file_is_refused_before_any_launch(tmp_path, capsys
     assert main(["compare", "demo", "--frameworks", "ddp", "--out", str(existing)]) == 2
     assert f"--out {existing}: a file is there" in capsys.readouterr().err
     assert existing.read_text() == "keep me" and not (tmp_path / "logs").exists()
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`python -m zerodp.cli ARGS`, as a user runs it (a timeout: a read that blocks fails the test)."""
+    return subprocess.run([sys.executable, "-m", "zerodp.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _deepspeed_config(tmp_path: Path, kind: str) -> str:
+    """A DeepSpeed config path of one bad kind."""
+    if kind == "/dev/zero":
+        return "/dev/zero"
+    path = tmp_path / "ds.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "huge":
+        with open(path, "wb") as f:  # sparse: 17 MiB of NUL bytes without writing them
+            f.truncate(17 << 20)
+    else:
+        path.write_bytes({"binary": bytes(range(256)), "list": b"[1, 2]", "number": b"3"}[kind])
+    return str(path)
+
+
+_CONFIG_KINDS = {
+    "/dev/zero": "not a regular file but a character device",
+    "fifo": "not a regular file but a FIFO",
+    "directory": "not a regular file but a directory",
+    "huge": "over 16,777,216 bytes",
+    "binary": "is not UTF-8 text (byte 0x80 at offset 128)",
+    "list": "the top level must be a JSON object, got [1, 2]",
+    "number": "the top level must be a JSON object, got 3",
+}
+
+
+@pytest.mark.parametrize("kind", list(_CONFIG_KINDS))
+def test_config_check_of_a_bad_config_file_names_it_without_blocking(tmp_path, kind) -> None:
+    path = _deepspeed_config(tmp_path, kind)
+    started = time.monotonic()
+    result = _cli("config", "check", path, "--world-size", "2")
+    assert result.returncode == 1, result.stderr
+    assert f"DeepSpeed config '{path}'" in result.stderr and _CONFIG_KINDS[kind] in result.stderr
+    assert "Traceback" not in result.stderr and time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("kind", ["fifo", "binary", "list"])
+def test_demo_config_of_a_bad_file_is_a_usage_error_before_any_launch(tmp_path, kind) -> None:
+    path = _deepspeed_config(tmp_path, kind)
+    result = _cli("demo", "--config", path, "--stage", "2")
+    assert result.returncode == 2, result.stderr
+    assert f"zerodp demo: 1 problem in DeepSpeed config '{path}'" in result.stderr
+    assert _CONFIG_KINDS[kind] in result.stderr and "Traceback" not in result.stderr
+
+
+def test_load_config_from_a_fifo_raises_config_error_without_blocking(tmp_path) -> None:
+    from zerodp.config import ConfigError, load_config
+
+    path = _deepspeed_config(tmp_path, "fifo")
+    with pytest.raises(ConfigError, match="not a regular file but a FIFO"):
+        load_config(path, world_size=1)
+
+
+def test_demo_config_with_a_section_of_the_wrong_type_is_named(tmp_path, capsys) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": [1]}))
+    assert main(["demo", "--config", str(path), "--stage", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"DeepSpeed config '{path}'" in err and "zero_optimization: got [1]; expected a JSON object" in err
+    assert "Traceback" not in err

@@ -99,8 +99,8 @@ def test_each_host_keeps_its_ranks_files_and_resumes_and_the_hosts_dirs_gather_i
         os.makedirs(d)
     saved = run_ranks(_save_on_two_hosts, 4, args=(ckpt, hosts))
     # each host holds its own ranks' files, its engine.pt and meta.json; no probe or TAG.tmp is left
-    assert saved[0]["files"] == ["engine.pt", "meta.json", "rank_0_of_4.pt", "rank_1_of_4.pt", "rng_0.pt", "rng_1.pt"]
-    assert saved[2]["files"] == ["engine.pt", "meta.json", "rank_2_of_4.pt", "rank_3_of_4.pt", "rng_2.pt", "rng_3.pt"]
+    assert saved[0]["files"] == ["engine.pt", "meta.json", "meta.json.sha256", "rank_0_of_4.pt", "rank_1_of_4.pt", "rng_0.pt", "rng_1.pt"]
+    assert saved[2]["files"] == ["engine.pt", "meta.json", "meta.json.sha256", "rank_2_of_4.pt", "rank_3_of_4.pt", "rng_2.pt", "rng_3.pt"]
     assert [s["leftovers"] for s in saved] == [[]] * 4
     # without the key, the save names the host that cannot see rank 0's directory, before writing anything
     for s in saved:
@@ -152,5 +152,5 @@ def test_with_the_key_on_a_directory_every_host_shares_the_save_is_an_ordinary_s
     meta = json.loads((tmp_path / "global_step1" / "meta.json").read_text())
     assert "nodes" not in meta and meta["global_steps"] == 1
     assert sorted(os.listdir(tmp_path / "global_step1")) == sorted(
-        ["engine.pt", "meta.json", *(f"rank_{r}_of_4.pt" for r in range(4)), *(f"rng_{r}.pt" for r in range(4))])
+        ["engine.pt", "meta.json", "meta.json.sha256", *(f"rank_{r}_of_4.pt" for r in range(4)), *(f"rng_{r}.pt" for r in range(4))])
     assert sorted(os.listdir(tmp_path)) == ["global_step1", "latest", "zero_to_fp32.py"]  # the probes are gone

@@ -29,9 +29,11 @@ import torch
 
 from zerodp.checkpoint import deepspeed
 from zerodp.checkpoint.format import (ENGINE, LATEST, META, CheckpointError, check_tag, copy_from_mapped,
-                                      rank_file_order, read_meta, release_pages, verified_load)
+                                      missing_latest_tag, rank_file_order, read_latest, read_meta, release_pages,
+                                      verified_load)
 from zerodp.checkpoint.safe_io import (discard, fsync_dir, replace_atomically, tensor_bytes, torch_save_fresh,
                                        write_fresh)
+from zerodp.config.read import read_small_file
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                        torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL", torch.int8: "I8"}
@@ -47,9 +49,11 @@ def resolve_tag_dir(ckpt_dir: str | Path, tag: str | None = None) -> Path:
     if tag is None:
         if (root / "meta.json").exists():  # given the tag directory itself
             return root
-        if not (root / LATEST).exists():
+        if not os.path.lexists(root / LATEST):
             raise CheckpointError(f"{root} has no 'latest' file; pass the tag (a subdirectory) explicitly")
-        tag = (root / LATEST).read_text().strip()
+        tag = read_latest(root)
+        if not (root / tag).is_dir():
+            raise missing_latest_tag(root, tag)
     return root / check_tag(tag)
 
 
@@ -319,49 +323,57 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def describe(ckpt_dir: str | Path, tag: str | None = None) -> str:
-    """A summary of a checkpoint for `zerodp ckpt inspect`: what saved it and what it holds."""
-    tag_dir = resolve_tag_dir(ckpt_dir, tag)
-    meta = read_meta(tag_dir)
-    numel = sum(math.prod(p["shape"]) for p in meta["params"].values())
-    size = sum(f["bytes"] for f in meta["files"].values())
-    lines = [f"{tag_dir}: format {meta['format_version']}, saved by {meta['world_size']} ranks at ZeRO stage "
-             f"{meta['stage']}, {meta['precision']}, optimizer {meta['optimizer']}",
-             f"  {len(meta['params'])} trainable parameters, {numel:,} elements; {len(meta['files'])} files, {size:,} bytes"]
-    for node in meta.get("nodes", []):
-        lines.append(f"  node-local: host {node['host']} holds {len(node['files'])} files (ranks {node['ranks']})")
-    for name, info in sorted(meta["files"].items()):
-        here = "" if "nodes" not in meta or (tag_dir / name).exists() else "  (on another host)"
-        lines.append(f"  {name:<24} {info['bytes']:>14,} bytes  sha256 {info['sha256'][:16]}...  "
-                     f"{len(info.get('pieces', []))} pieces{here}")
-    return "\n".join(lines)
-
-
 HF_CONFIG_FILES = ("config.json", "generation_config.json")
 """What `from_pretrained` needs beside the weights: the model's config (required) and its generation
 defaults (when the model has them)."""
 
 
+MAX_HF_CONFIG_BYTES = 1 << 20
+"""Largest config.json / generation_config.json copied (1 MiB: a model's config is a few KiB)."""
+
+
 def hf_config_problem(src_dir: str | Path) -> str | None:
     """Why `src_dir` cannot give a Hugging Face config (None when it can): checked before converting."""
-    if not (Path(src_dir) / "config.json").is_file():
-        return (f"--hf-config {src_dir}: no config.json there; give the Hugging Face model directory the "
-                "training started from (what from_pretrained read)")
+    try:
+        _hf_config_files(src_dir)
+    except CheckpointError as err:
+        return str(err)
     return None
+
+
+def _hf_config_files(src_dir: str | Path) -> dict[str, bytes]:
+    """{name: bytes} of the HF_CONFIG_FILES in `src_dir` (config.json required), each a regular file
+    of at most 1 MiB holding a JSON object; CheckpointError naming --hf-config and the file otherwise."""
+    found = {}
+    for name in HF_CONFIG_FILES:
+        path = Path(src_dir) / name
+        if name != "config.json" and not os.path.lexists(path):
+            continue
+        try:
+            data = read_small_file(path, MAX_HF_CONFIG_BYTES)
+            kind = type(json.loads(data.decode("utf-8"))).__name__
+        except FileNotFoundError:
+            raise CheckpointError(f"--hf-config {src_dir}: no config.json there; give the Hugging Face model directory "
+                                  "the training started from (what from_pretrained read)") from None
+        except (OSError, ValueError) as err:  # not regular, too large, not UTF-8, not JSON
+            raise CheckpointError(f"--hf-config {src_dir}: {path} is not a readable JSON config "
+                                  f"({getattr(err, 'strerror', None) or err})") from None
+        if kind != "dict":
+            raise CheckpointError(f"--hf-config {src_dir}: {path} holds a JSON {kind}, not an object; a Hugging Face "
+                                  "config is an object of the model's settings")
+        found[name] = data
+    return found
 
 
 def copy_hf_config(src_dir: str | Path, out_dir: str | Path) -> list[Path]:
     """Copy `config.json` and, if present, `generation_config.json` from a Hugging Face model directory
-    into `out_dir`, so `from_pretrained(out_dir)` loads the converted weights. Returns the files written."""
-    problem = hf_config_problem(src_dir)
-    if problem:
-        raise CheckpointError(problem)
+    into `out_dir`, so `from_pretrained(out_dir)` loads the converted weights. Each must be a small
+    regular file holding a JSON object (CheckpointError otherwise, before anything is written).
+    Returns the files written."""
     written = []
-    for name in HF_CONFIG_FILES:
-        if (Path(src_dir) / name).is_file():
-            written.append(Path(out_dir) / name)
-            data = (Path(src_dir) / name).read_bytes()
-            replace_atomically(written[-1], lambda f, data=data: f.write(data), len(data))
+    for name, data in _hf_config_files(src_dir).items():
+        written.append(Path(out_dir) / name)
+        replace_atomically(written[-1], lambda f, data=data: f.write(data), len(data))
     return written
 
 

@@ -30,7 +30,6 @@ naming anything else is refused with the name (see `load_pickle`).
 from __future__ import annotations
 
 import enum
-import json
 import math
 import pickle
 import os
@@ -42,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, LATEST, META, CheckpointError, check_tag, fsync_dir,
-                                      fsync_write, rank_file, replace_latest, sha256, torch_save_synced)
+                                      rank_file, read_latest, replace_latest, sha256, torch_save_synced, write_meta)
 from zerodp.checkpoint.safe_io import discard, fresh_dir, output_inside_input
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -97,6 +96,10 @@ def load_pickle(path: Path, mmap: bool = False) -> Any:
     `mmap`: tensors view the mapped file (rank files, whose pages the loader gives back)."""
     if not path.exists():
         raise CheckpointError(f"{path} is missing (every file of a DeepSpeed checkpoint is needed)")
+    if not zipfile.is_zipfile(path) and _starts_as_zip(path):
+        raise CheckpointError(f"{path} is truncated or damaged: it starts as torch.save's zip archive but its "
+                              "directory at the end is missing (a copy or save cut short?); copy it again from "
+                              "where it was saved")
     if mmap and not zipfile.is_zipfile(path):  # the loader gives mapped pages back (format.release_pages)
         raise CheckpointError(f"{path} is in torch's legacy serialization (DeepSpeed's checkpoint_serialization: "
                               "false), which cannot be memory-mapped; re-save it with torch.save's default format")
@@ -109,9 +112,23 @@ def load_pickle(path: Path, mmap: bool = False) -> Any:
         except Exception:  # noqa: BLE001 - not a zip archive, or damaged: torch's own words then
             names = []
         what = ", ".join(names) or str(err).strip().splitlines()[-1][:300]
+        if not names and re.search(r"truncated|EOF|ran out of input", str(err), re.IGNORECASE):  # not a refused type
+            raise CheckpointError(f"{path} is truncated or damaged: torch cannot read it ({what}); copy it again "
+                                  "from where it was saved") from None
         raise CheckpointError(f"{path} holds a pickled {what}, which is not among the DeepSpeed types zerodp reads "
                               f"({', '.join(sorted(ALLOWED_TYPES))}); refusing to unpickle it, as it could run code. "
                               "Convert the checkpoint with DeepSpeed's zero_to_fp32.py and load the weights instead") from None
+    except Exception as err:  # noqa: BLE001 - torch's reader fails on a damaged file in many types and words,
+        # none naming the file (RuntimeError from the zip reader, EOFError, struct.error, ...)
+        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path} is truncated or damaged: torch cannot read it ({detail}); copy it again "
+                              "from where it was saved") from None
+
+
+def _starts_as_zip(path: Path) -> bool:
+    """Whether `path` begins with a zip archive's local header (torch.save's format since torch 1.6)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
 
 
 def find_tag_dir(root: Path, tag: str | None) -> Path | None:
@@ -120,10 +137,9 @@ def find_tag_dir(root: Path, tag: str | None) -> Path | None:
     if is_tag_dir(root):
         return root
     if tag is None:
-        latest = root / "latest"
-        if not latest.is_file():
+        if not os.path.lexists(root / LATEST):
             return None
-        tag = latest.read_text().strip()
+        tag = read_latest(root)
     tag_dir = root / check_tag(tag)
     return tag_dir if is_tag_dir(tag_dir) else None
 
@@ -363,7 +379,7 @@ def convert_to_zerodp(ds_dir: str | Path, out_dir: str | Path, tag: str | None =
         files[ENGINE] = {"sha256": sha256(tmp / ENGINE), "bytes": (tmp / ENGINE).stat().st_size}
         meta = {"format_version": FORMAT_VERSION, "tag": name, **saved.meta, "files": files,
                 "converted_from": f"DeepSpeed {source}"}
-        fsync_write(tmp / META, json.dumps(meta, indent=1).encode())
+        write_meta(tmp, meta)
         fsync_dir(tmp)
         if os.path.lexists(root / name):
             raise CheckpointError(f"{root / name} exists; convert into an empty directory")

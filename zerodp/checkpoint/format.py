@@ -4,6 +4,8 @@
     DIR/TAG/meta.json                format version, stage, world size, dtypes, every trainable
                                      parameter (shape, dtype, group), every file's sha256 and size,
                                      and which parameter pieces each rank file holds
+    DIR/TAG/meta.json.sha256         meta.json's own sha256, as `sha256sum meta.json` prints it
+                                     ([Note: meta.json's checksum])
     DIR/TAG/rank_R_of_W.pt           rank R's owned pieces: fp32 master values and element-wise
                                      optimizer state per (parameter, offset, numel); under NVMe
                                      offload rank_R_of_W_part_K.pt, one per swap chunk
@@ -17,6 +19,18 @@ world size and any stage: a loading rank reads only the files whose pieces overl
 (zero/layout.py decides both sides). Tensors are read with `torch.load(weights_only=True)`;
 metadata is JSON. Documented for users in docs/checkpoints.md. The one collective here,
 `on_every_rank`, turns one rank's failure into the same error on every rank.
+
+[Note: meta.json's checksum]
+meta.json holds every other file's sha256, but nothing held its own: a flipped digit in a shape
+read as "does not match this model", in a size or offset as a corrupt rank file, in a step count
+not at all. So a save writes its sha256 beside it, into TAG/meta.json.sha256, in the line
+`sha256sum` prints ("<64 hex digits>  meta.json"), created fresh and renamed into place with the
+tag directory like every other file; meta.json names it ("checksum_file"). Reading compares the
+two before parsing anything, so any change to meta.json is reported as damage of meta.json. The
+sidecar (not a line in `latest`) because a tag loaded by name never reads `latest`, and DeepSpeed
+reads `latest` as the bare tag. The format version stays 1: a reader that does not know the sidecar
+loads the checkpoint as before; a meta.json without "checksum_file" and without a sidecar (saved
+before zerodp wrote one) loads unverified; one that names its sidecar fails when the sidecar is gone.
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ import functools
 import hashlib
 import json
 import mmap as mmap_module
+import os
 import pickle
 import re
 import sys
@@ -38,12 +53,17 @@ import torch
 from zerodp import comm
 from zerodp.checkpoint import safe_io
 from zerodp.checkpoint.safe_io import torch_save_fresh, write_bytes_fresh
+from zerodp.config.read import read_small_file
 from zerodp.zero.topology import NodeLayout
 
 FORMAT_VERSION = 1
 META = "meta.json"
+META_SHA256 = "meta.json.sha256"
 ENGINE = "engine.pt"
 LATEST = "latest"
+MAX_META_BYTES = 1 << 30
+"""Largest meta.json read (1 GiB; a model of 100,000 parameters saved by 10,000 ranks writes tens of MB)."""
+_MAX_TAG_BYTES = 255  # a tag is one directory name: NAME_MAX on Linux
 
 
 class CheckpointError(ValueError):
@@ -79,6 +99,68 @@ def check_tag(tag: str) -> str:
         raise CheckpointError(f"checkpoint tag {tag!r} is not a plain directory name (it would escape the "
                               "checkpoint directory); use something like 'global_step100'")
     return tag
+
+
+def read_latest(root: Path) -> str:
+    """The tag named by `root/latest` (checked as a tag: one directory name). CheckpointError naming
+    root/latest when it is not a small text file holding one: binary, too long, several lines, a
+    FIFO. Whether that tag exists is the caller's to check (load.py also tries TAG.old)."""
+    path = root / LATEST
+    try:
+        text = read_small_file(path, 4 * _MAX_TAG_BYTES).decode("utf-8").strip()
+    except UnicodeDecodeError:
+        text, problem = "", "it is not UTF-8 text"
+    except ValueError as err:
+        text, problem = "", str(err)
+    else:
+        problem = None if text else "it is empty"
+    if problem is None and (len(text.encode()) > _MAX_TAG_BYTES or not text.isprintable()):
+        problem = f"{text[:60]!r}{'...' if len(text) > 60 else ''} is not one tag name (printable, {_MAX_TAG_BYTES} bytes at most)"
+    if problem is None:
+        try:
+            return check_tag(text)
+        except CheckpointError:
+            problem = f"{text!r} is not a tag name (a subdirectory of {root}, without '/')"
+    raise CheckpointError(f"{path} is damaged: {problem}; it names the newest tag, as save_checkpoint writes it. "
+                          "Pass the tag to load explicitly (tag= or --tag), or write its name into that file")
+
+
+def missing_latest_tag(root: Path, tag: str) -> CheckpointError:
+    """The error for a `latest` that names a tag directory which is not there."""
+    return CheckpointError(f"{root / LATEST} names tag {tag!r}, but {root / tag} does not exist (removed or never "
+                           "copied?); pass an existing tag explicitly (tag= or --tag), or write its name into that file")
+
+
+def write_meta(tag_dir: Path, meta: dict) -> None:
+    """Write `tag_dir/meta.json` and its checksum `meta.json.sha256`, each created fresh and fsynced
+    ([Note: meta.json's checksum]); the caller renames the directory into place."""
+    data = json.dumps({**meta, "checksum_file": META_SHA256}, indent=1).encode()
+    fsync_write(tag_dir / META, data)
+    fsync_write(tag_dir / META_SHA256, f"{hashlib.sha256(data).hexdigest()}  {META}\n".encode())
+
+
+def _checked_meta_bytes(tag_dir: Path) -> bytes:
+    """meta.json's bytes, compared with meta.json.sha256 when there is one (CheckpointError naming
+    meta.json on any difference; [Note: meta.json's checksum])."""
+    path, sidecar = tag_dir / META, tag_dir / META_SHA256
+    try:
+        data = read_small_file(path, MAX_META_BYTES)
+        recorded = read_small_file(sidecar, 1024) if os.path.lexists(sidecar) else None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} cannot be read: {getattr(err, 'strerror', None) or err}") from None
+    if recorded is None:
+        return data
+    match = re.fullmatch(rb"([0-9a-f]{64}) [ *]meta\.json\n?", recorded)
+    if match is None:
+        raise CheckpointError(f"{sidecar} is damaged: expected \"<64 hex digits>  meta.json\" (sha256sum's line), "
+                              f"found {recorded[:100]!r}; meta.json cannot be verified: restore both from a copy")
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != match[1].decode():
+        raise CheckpointError(f"{path} is damaged: its sha256 {actual[:16]}... differs from {match[1][:16].decode()}... "
+                              f"recorded in {META_SHA256} (one of the two was corrupted or modified after the save). Restore it from a "
+                              f"copy or load an earlier tag; after an edit on purpose, run `sha256sum meta.json > "
+                              f"{META_SHA256}` in {tag_dir}")
+    return data
 
 
 def sha256(path: Path) -> str:
@@ -117,7 +199,7 @@ def complete_tags(root: Path, candidates: list[str]) -> dict[str, int]:
     complete = {}
     for tag in candidates:
         try:
-            complete[tag] = int(json.loads((root / tag / META).read_text()).get("global_steps", -1))
+            complete[tag] = int(json.loads(read_small_file(root / tag / META, MAX_META_BYTES)).get("global_steps", -1))
         except FileNotFoundError:
             continue
         except (OSError, ValueError, TypeError, AttributeError):
@@ -140,8 +222,9 @@ def read_meta(tag_dir: Path) -> dict:
     if not path.exists():
         raise CheckpointError(f"{path} is missing: {tag_dir} is not a complete zerodp checkpoint "
                               "(an interrupted save leaves TAG.tmp, never a TAG without meta.json)")
+    data = _checked_meta_bytes(tag_dir)
     try:
-        meta = json.loads(path.read_bytes().decode("utf-8"))
+        meta = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as err:
         raise CheckpointError(f"{path} is damaged: not valid UTF-8 JSON ({err}); restore it from the copy "
                               "that was saved, or load an earlier tag") from None
@@ -150,6 +233,9 @@ def read_meta(tag_dir: Path) -> dict:
         raise CheckpointError(f"{path}: format version {version} is newer than this zerodp reads "
                               f"({FORMAT_VERSION}); upgrade zerodp to load it")
     problems = meta_problems(meta)
+    if not problems and meta.get("checksum_file") is not None and not os.path.lexists(tag_dir / META_SHA256):
+        problems = [f"{META_SHA256}, which it names as its checksum, is missing (meta.json cannot be verified; "
+                    "restore it from a copy)"]
     if problems:
         raise CheckpointError(f"{path} is damaged: " + "; ".join(problems))
     return meta
@@ -164,6 +250,7 @@ _META_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "params": (lambda v: isinstance(v, dict), "an object"),
     "files": (lambda v: isinstance(v, dict), "an object"),
     "tied": (lambda v: v is None or isinstance(v, dict), "an object of {alias: name}"),
+    "checksum_file": (lambda v: v in (None, META_SHA256), f"{META_SHA256!r} (or absent: saved before zerodp wrote it)"),
 }
 _FILE_NAME = re.compile(r"(rank_\d+_of_\d+(_part_\d+)?|rng_\d+|engine)\.pt")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -188,6 +275,10 @@ def meta_problems(meta: Any) -> list[str]:
             and all(_is(r, int) for r in n["ranks"]) and isinstance(n.get("files"), list)
             and all(isinstance(f, str) and _FILE_NAME.fullmatch(f) for f in n["files"]) for n in nodes):
         problems.append("'nodes' is not a list of {host, ranks, files} (which host holds which file)")
+        return problems
+    listed = meta.get("files") if isinstance(meta.get("files"), dict) else {}
+    problems += [f"nodes[{k}] (host {n['host']}) names {f}, which 'files' does not list"
+                 for k, n in enumerate(nodes) for f in n["files"] if f not in listed]
     return problems
 
 

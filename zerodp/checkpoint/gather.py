@@ -12,14 +12,13 @@ shared one, which loads at any world size and stage. No collectives; OUT is publ
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import BinaryIO, Callable
 
 from zerodp.checkpoint.convert import resolve_tag_dir
-from zerodp.checkpoint.format import (ENGINE, META, CheckpointError, complete_tags, fsync_dir, fsync_write,
-                                      newest_everywhere, read_meta, replace_latest)
+from zerodp.checkpoint.format import (ENGINE, META, CheckpointError, complete_tags, fsync_dir, newest_everywhere,
+                                      read_meta, replace_latest, write_meta)
 from zerodp.checkpoint.safe_io import discard, fresh_dir, output_inside_input, write_fresh
 
 Progress = Callable[[int, int], None]  # (bytes copied, bytes in all)
@@ -52,7 +51,7 @@ def gather_checkpoint(host_dirs: list[str | Path], out_dir: str | Path, tag: str
                 progress(done, total)
         meta = {key: value for key, value in base.items() if key != "nodes"}
         meta["files"] = files
-        fsync_write(tmp / META, json.dumps(meta, indent=1).encode())
+        write_meta(tmp, meta)
         fsync_dir(tmp)
         tmp.rename(final)
         replace_latest(out_root, final.name)

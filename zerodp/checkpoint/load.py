@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 from pathlib import Path
 from typing import Any, Callable
@@ -20,7 +21,8 @@ import torch
 from zerodp import comm
 from zerodp.checkpoint import deepspeed
 from zerodp.checkpoint.format import (ENGINE, LATEST, CheckpointError, check_tag, complete_tags, copy_from_mapped,
-                                      newest_everywhere, on_every_rank, read_meta, rng_file, verified_load)
+                                      missing_latest_tag, newest_everywhere, on_every_rank, read_latest, read_meta,
+                                      rng_file, verified_load)
 from zerodp.log import log_rank0, logger
 from zerodp.zero.shard_state import ShardState
 
@@ -59,16 +61,19 @@ def load_checkpoint(shard: ShardState, load_dir: str, tag: str | None = None, lo
 
 def _tag_dir(root: Path, tag: str | None) -> Path | None:
     """The directory to load: `root/tag`, or the tag named in `root/latest` (None: nothing saved)."""
-    if tag is None:
-        if not (root / LATEST).exists():
+    from_latest = tag is None
+    if from_latest:
+        if not os.path.lexists(root / LATEST):
             logger.warning("no checkpoint to load: %s does not exist", root / LATEST)
             return None
-        tag = (root / LATEST).read_text().strip()
+        tag = read_latest(root)
     tag_dir = root / check_tag(tag)
     if not tag_dir.exists() and (root / f"{tag}.old").exists():
         # a save of the same tag was interrupted between its two renames (see save.py)
         logger.warning("%s is missing; loading %s.old, the complete previous save of that tag", tag_dir, tag)
         tag_dir = root / f"{tag}.old"
+    elif from_latest and not tag_dir.is_dir():
+        raise missing_latest_tag(root, tag)
     return tag_dir
 
 

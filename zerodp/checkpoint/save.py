@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from zerodp import comm
-from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, META, CheckpointError, check_tag,
-                                      file_rank, fsync_dir, fsync_write, on_every_rank, rank_file, rank_file_order,
-                                      replace_latest, rng_file, sha256, torch_save_synced)
+from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, CheckpointError, check_tag, file_rank, fsync_dir,
+                                      on_every_rank, rank_file, rank_file_order, replace_latest, rng_file, sha256,
+                                      torch_save_synced, write_meta)
 from zerodp.checkpoint.recovery_script import write_recovery_script
 from zerodp.checkpoint.safe_io import discard, fresh_dir, remove_entry, write_bytes_fresh
 from zerodp.log import log_rank0, logger
@@ -397,7 +397,7 @@ def _publish(staged: StagedSave, digests: dict) -> None:
         meta["nodes"] = [{"host": name, "ranks": list(ranks), "files": [ENGINE, *sorted(
             n for n in digests if n != ENGINE and file_rank(n) in ranks)]}
             for name, ranks in zip(storage.layout.names, storage.layout.nodes)]
-    fsync_write(tmp / META, json.dumps(meta, indent=1).encode())
+    write_meta(tmp, meta)  # and its checksum: format.py's [Note: meta.json's checksum]
     fsync_dir(tmp)
     final = root / tag
     if os.path.lexists(final):  # saving the same tag again (or a link there): move the old one aside first

@@ -14,9 +14,13 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`zerodp ckpt inspect | convert | gather`."""
     ckpt = sub.add_parser("ckpt", help="inspect or convert a zerodp checkpoint (convert: a DeepSpeed one too)").add_subparsers(required=True, metavar="ACTION")
-    inspect_ = ckpt.add_parser("inspect", help="what saved a checkpoint and what its files hold")
+    inspect_ = ckpt.add_parser("inspect", help="what saved a checkpoint and what its files hold, verified "
+                                              "(exit 1 naming each damaged file); a DeepSpeed checkpoint too")
     inspect_.add_argument("dir", help="checkpoint directory (with 'latest') or a tag directory")
     inspect_.add_argument("--tag", default=None, help="tag to read (default: the one in DIR/latest)")
+    inspect_.add_argument("--deep", action="store_true",
+                          help="also recompute every file's sha256 against meta.json (reads every byte; a DeepSpeed "
+                               "checkpoint: every zip member's CRC-32); default: sizes and zip directories")
     inspect_.set_defaults(func=cmd_inspect)
     _add_convert(ckpt)
     gather = ckpt.add_parser("gather", help="one checkpoint from the hosts' directories of a save made with "
@@ -46,22 +50,36 @@ def _add_convert(ckpt: argparse._SubParsersAction) -> None:
     convert.add_argument("--hf-config", default=None, metavar="DIR",
                          help="Hugging Face model directory to copy config.json and generation_config.json from, "
                               "so that from_pretrained(OUT) works (default: weights only)")
-    convert.add_argument("--max-shard-size", default="5GB",
+    convert.add_argument("--max-shard-size", default="5GB", type=_byte_size,
                          help="largest output file: 500MB, 5GB or 5G (powers of 1000), 5GiB (powers of 1024); default 5GB")
     convert.set_defaults(func=cmd_convert)
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
-    """Print what saved the checkpoint and what its files hold."""
-    from zerodp.checkpoint.convert import describe
-    from zerodp.checkpoint.format import CheckpointError
+def _byte_size(text: str) -> int:
+    """argparse's `type` for --max-shard-size: a usage error (exit 2) for anything parse_size refuses,
+    1e400GB included, before any file is read."""
+    from zerodp.sizes import parse_size
 
     try:
-        print(describe(args.dir, args.tag))
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--max-shard-size ")) from None
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Print what saved the checkpoint and what its files hold; each damaged file on stderr (exit 1)."""
+    from zerodp.checkpoint.format import CheckpointError
+    from zerodp.checkpoint.verify import inspect_checkpoint
+
+    try:
+        found = inspect_checkpoint(args.dir, args.tag, deep=args.deep)
     except (CheckpointError, OSError) as err:
         print(f"zerodp ckpt inspect: {err}", file=sys.stderr)
         return EXIT_FAILED
-    return EXIT_OK
+    print("\n".join(found.lines))
+    for problem in found.damaged:
+        print(f"zerodp ckpt inspect: {problem}", file=sys.stderr)
+    return EXIT_FAILED if found.damaged else EXIT_OK
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -77,6 +95,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     try:
         is_deepspeed = Path(args.dir).is_dir() and find_tag_dir(Path(args.dir), args.tag) is not None
     except CheckpointError as err:
+        if args.tag is None:  # DIR/latest is damaged: bad data, not a bad argument
+            print(f"zerodp ckpt convert: {err}", file=sys.stderr)
+            return EXIT_FAILED
         is_deepspeed, problem = False, str(err)
     else:
         problem = _convert_source_problem(args, is_deepspeed)
@@ -101,7 +122,6 @@ def _convert(args: argparse.Namespace) -> list:
     from zerodp.checkpoint import convert_to_safetensors, convert_to_torch
     from zerodp.checkpoint.convert import copy_hf_config
     from zerodp.checkpoint.deepspeed import convert_to_zerodp
-    from zerodp.sizes import parse_size
 
     bar: list = []
     progress = _progress_into(bar)
@@ -110,7 +130,7 @@ def _convert(args: argparse.Namespace) -> list:
     else:
         convert = convert_to_torch if args.to == "fp32" else convert_to_safetensors
         dtype = getattr(torch, _DTYPES[args.dtype])
-        files = convert(args.dir, args.out, args.tag, dtype, parse_size(args.max_shard_size), progress)
+        files = convert(args.dir, args.out, args.tag, dtype, args.max_shard_size, progress)
     if args.hf_config:
         files += copy_hf_config(args.hf_config, args.out)
     if bar:

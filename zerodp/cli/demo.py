@@ -38,7 +38,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         check_local_ranks(f"--nproc {args.nproc}", args.nproc, args.allow_oversubscribe)  # before any world math
         config = demo_config(args.config, stage=args.stage, dtype=args.dtype)
-        load_config(config, world_size=args.nproc)  # fail here, not in N tracebacks
+        try:
+            load_config(config, world_size=args.nproc)  # fail here, not in N tracebacks
+        except ConfigError as err:  # name the file the user gave, not the dict read from it
+            raise ConfigError(err.problems, f"'{args.config}'" if args.config else err.source) from None
     except (ConfigError, OSError, OversubscribeError) as err:
         print(f"zerodp demo: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -15,6 +15,7 @@ import binascii
 import copy
 import json
 import os
+import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,18 +100,58 @@ def _decode_base64(text: str) -> str | None:
     return decoded if decoded.lstrip().startswith("{") else None
 
 
+MAX_CONFIG_BYTES = 16 << 20
+"""Largest config file read (16 MiB). A DeepSpeed config is a few KiB; a file past this is not one,
+and reading it whole (a device like /dev/zero never ends) would fill memory."""
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe), whose read could block forever"),
+               (stat.S_ISCHR, "a character device (like /dev/zero), whose read may never end"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def read_small_file(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """The bytes of `path`, a regular file (a link to one is followed) of at most `max_bytes`.
+    ValueError saying what is wrong otherwise (the caller names the file and the argument): a
+    directory, FIFO, device or socket is refused before it is read, so nothing blocks or reads
+    without end; OSError (FileNotFoundError, PermissionError) as the system raises it."""
+    kind = _special_kind(os.stat(path).st_mode)
+    if kind is None:  # opened without blocking, then checked again: a FIFO swapped in meanwhile is refused too
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            kind = _special_kind(os.fstat(fd).st_mode)
+            data = f.read(max_bytes + 1) if kind is None else b""
+    if kind is not None:
+        raise ValueError(f"not a regular file but {kind}")
+    if len(data) > max_bytes:
+        raise ValueError(f"over {max_bytes:,} bytes, larger than any file of its kind: is it the right file?")
+    return data
+
+
+def _special_kind(mode: int) -> str | None:
+    """What a file that is not a regular one is ("a directory", "a FIFO ..."); None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for is_kind, kind in _FILE_KINDS if is_kind(mode)), "not a regular file")
+
+
 def _read_file(path: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
     source = f"'{os.fspath(path)}'"
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        data = read_small_file(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         decoded = _decode_base64(path) if isinstance(path, str) else None
         if decoded is None:
             raise ConfigError(f"config file not found: '{os.fspath(path)}' (working directory "
                               f"{os.getcwd()})", source) from None
         return _parse_json(decoded, "(base64)"), "(base64)"
-    except (OSError, UnicodeError) as err:
-        raise ConfigError(f"cannot read config file '{os.fspath(path)}': {err}", source) from None
+    except (OSError, ValueError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ConfigError(f"cannot read config file '{os.fspath(path)}': {reason}", source) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file '{os.fspath(path)}' is not UTF-8 text (byte 0x{data[err.start]:02x} at "
+                          f"offset {err.start}): a DeepSpeed config is a JSON text file", source) from None
     return _parse_json(text, source), source
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from typing import TextIO
@@ -19,6 +18,7 @@ from typing import TextIO
 import torch
 
 import zerodp
+from zerodp.config.read import read_input
 from zerodp.demo import DEMO_DEFAULT, DEMO_LR, DEMO_MICRO_BATCH_SIZE, DEMO_STEPS, SyntheticTaskDataset, TinyGPT
 from zerodp.memory import format_ledger
 from zerodp.metrics import ProgressBar, Throughput, flops_per_token, format_breakdown
@@ -31,9 +31,8 @@ _DTYPE_SECTIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp
 def demo_config(path: str | None = None, stage: int | None = None, dtype: str | None = None) -> dict:
     """The demo's DeepSpeed config: `path`'s JSON (or the embedded default) with `stage` and
     `dtype` overriding it."""
-    if path is not None:
-        with open(path) as f:
-            config = json.load(f)
+    if path is not None:  # read as every config is: size-capped, never blocking, a JSON object (ConfigError)
+        config = read_input(path, None)[0]
     else:
         config = {
             "train_micro_batch_size_per_gpu": DEMO_MICRO_BATCH_SIZE,
@@ -42,11 +41,13 @@ def demo_config(path: str | None = None, stage: int | None = None, dtype: str | 
             "optimizer": {"type": "AdamW", "params": {"lr": DEMO_LR, "betas": [0.9, 0.95], "weight_decay": 0.1}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 20, "warmup_type": "linear"}},
         }
-    if stage is not None:
-        config.setdefault("zero_optimization", {})["stage"] = stage
-    if config.get("zero_optimization", {}).get("stage") == 3:
-        # DeepSpeed's default (1e5 elements) would keep every parameter of this small model whole
-        config["zero_optimization"].setdefault("stage3_param_persistence_threshold", 1000)
+    zero = config.setdefault("zero_optimization", {}) if stage is not None else config.get("zero_optimization", {})
+    if isinstance(zero, dict):  # else load_config names the section's type
+        if stage is not None:
+            zero["stage"] = stage
+        if zero.get("stage") == 3:
+            # DeepSpeed's default (1e5 elements) would keep every parameter of this small model whole
+            zero.setdefault("stage3_param_persistence_threshold", 1000)
     if dtype is not None:
         config.pop("bf16", None)
         config.pop("fp16", None)
