@@ -136,9 +136,13 @@ def test_compact_hostlists_expand_to_the_hosts_they_stand_for(entries) -> None:
 
 
 def _launcher_free_env(monkeypatch: pytest.MonkeyPatch, env: dict) -> None:
+    # init_distributed exports torchrun's variables into os.environ: registered here (set, then deleted) so
+    # the monkeypatch removes them again, or RANK 3 / WORLD_SIZE 4 would reach every later test
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     for name in list(os.environ):
-        if name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") or \
-                name.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_LOCAL")):
+        if name.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_LOCAL")):
             monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

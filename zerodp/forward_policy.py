@@ -97,7 +97,8 @@ class ForwardPolicy:
         """The context the module's forward runs in ([Note: torch_autocast])."""
         if self.autocast_dtype is not None:
             return torch.autocast(self.device_type, dtype=self.autocast_dtype)
-        if torch.is_autocast_enabled(self.device_type):
+        # a device autocast does not know (the estimator's simulated one, meta) has no autocast to switch off
+        if torch.amp.is_autocast_available(self.device_type) and torch.is_autocast_enabled(self.device_type):
             warn_once("torch.autocast is enabled around the engine's forward but the config's torch_autocast "
                       "section is off: the forward runs without autocast, as with DeepSpeed (set "
                       "torch_autocast.enabled to run it under autocast)")
