@@ -20,9 +20,9 @@ pytest.importorskip("bitsandbytes")
 
 STEPS = 3
 LR = 1e-2
-REFERENCE_BAND = 2e-2
+REFERENCE_BAND = 1e-3
 """Largest loss difference allowed against the single-process reference: it keeps PEFT's fp32 adapters and
-torch's AdamW on them, zerodp trains bf16 adapters from fp32 masters (measured: under 5e-3 over 3 steps)."""
+torch's AdamW on them, zerodp trains bf16 adapters from fp32 masters (measured: 2.3e-4 at most over 3 steps)."""
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ per block of 64 elements an absmax: fp32 (4 bytes) or, with double quantization
 (`bnb_4bit_use_double_quant`), a uint8 plus one fp32 absmax per 256 blocks, a 256-entry fp32 map and an fp32
 offset; and a 16-entry fp32 NF4 map per weight. Measured with bitsandbytes 0.50.2 (`quantize_4bit` of a
 300 x 1000 bf16 weight, `QuantState.as_dict()`): 150,000 packed bytes; absmax 18,752 bytes (4,688 fp32), or
-4,688 + 76 + 1,024 + 4 with double quantization; quant_map 64. Per element: 0.5625 bytes, or ~0.5176 with
+4,688 + 76 + 1,024 + 4 with double quantization; quant_map 64. Per element, the maps aside: 0.5625 bytes, or ~0.5159 with
 double quantization. The output layer (lm_head) stays in the model's dtype, as transformers leaves it.
 """
 
