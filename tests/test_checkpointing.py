@@ -106,6 +106,25 @@ def test_every_k_and_selective_policies() -> None:
     assert "forward" not in vars(selective.blocks[0])
 
 
+class _ExpertsBlock(nn.Module):
+    """A block holding a list longer than the list of blocks (an MoE layer's experts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(2 * L))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + sum(expert(x) for expert in self.experts)
+
+
+def test_blocks_policy_picks_the_list_of_blocks_not_a_longer_list_inside_a_block() -> None:
+    model = nn.Sequential()
+    model.layers = nn.ModuleList(_ExpertsBlock() for _ in range(L))
+    assert checkpointing.apply(model) == [f"layers.{i}" for i in range(L)]
+    root_list = nn.ModuleList([_ExpertsBlock(), _ExpertsBlock()])  # the model itself is the list
+    assert [n for n, _ in checkpointing.repeated_blocks(root_list)] == ["0", "1"]
+
+
 def test_profile_counts_the_recomputations() -> None:
     model = Stack()
     checkpointing.apply(model)

@@ -56,6 +56,8 @@ def _zerodp(rank: int, gas: int, stage: int, zero: dict) -> tuple[list[float], d
     import zerodp
 
     model = TinyMoELM()
+    if zero.pop("layers_not_a_list", False):  # no list of blocks: the expert lists are the longest lists
+        model.layers = torch.nn.Sequential(*model.layers)
     if zero.pop("reentrant", False):
         _checkpoint_layers_reentrant(model)
     engine, *_ = zerodp.initialize(model=model, config=_config(stage, gas, **zero),
@@ -124,10 +126,13 @@ def test_a_deepseek_style_moe_trains_like_ddp_with_different_routing_per_rank(st
 
 def test_with_the_detection_off_the_gathers_diverge_and_the_error_names_the_class_to_mark() -> None:
     """`leaf_module.classes: []` (DeepSpeed's way to drop its default MoE classes) turns the
-    detection off: the experts of layer 0 (the largest ModuleList) become units, the ranks call
-    different ones, and the pairing check raises on every rank with the line to add."""
+    detection off. In a model whose layers are not a ModuleList (an nn.Sequential here), the
+    experts of layer 0 (the longest ModuleList) become units, the ranks call different ones, and
+    the pairing check raises on every rank with the line to add. (Where the layers are a
+    ModuleList, they are the units, detection or not: tests/test_checkpointing.py.)"""
+    zero = {"leaf_module": {"classes": []}, "layers_not_a_list": True}
     with pytest.raises(RankFailed) as failed:
-        run_ranks(_zerodp_alone, 2, args=(1, 3, {"leaf_module": {"classes": []}}), timeout=TIMEOUT_S)
+        run_ranks(_zerodp_alone, 2, args=(1, 3, zero), timeout=TIMEOUT_S)
     message = str(failed.value)
     assert "ranks are about to gather different modules" in message
     assert "deepspeed.utils.set_z3_leaf_modules(model, [DeepseekStyleMoE])" in message

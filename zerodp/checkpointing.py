@@ -232,10 +232,15 @@ def remove(model: nn.Module) -> None:
 
 
 def repeated_blocks(model: nn.Module, skip: Collection[nn.Module] = ()) -> list[tuple[str, nn.Module]]:
-    """(name, block) for each child of the model's largest non-empty nn.ModuleList (a transformer's
-    layers), the same module object once; [] when there is none. Checkpointing's "blocks" policy
-    and stage 3's default units both use it; stage 3 skips the lists inside MoE blocks (`skip`)."""
+    """(name, block) for each child of the model's largest outermost non-empty nn.ModuleList (a
+    transformer's layers), the same module object once; [] when there is none. Checkpointing's "blocks"
+    policy and stage 3's default units both use it; stage 3 skips the lists inside MoE blocks (`skip`).
+
+    Outermost: a list inside a block of another list (an MoE layer's 64 experts, a block's heads) is
+    never chosen over the list of blocks, however long it is."""
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) and m not in skip]
+    names = [n for n, _ in lists]
+    lists = [(n, m) for n, m in lists if not any(o != n and n.startswith(f"{o}." if o else "") for o in names)]
     if not lists:
         return []
     name, largest = max(lists, key=lambda nm: len(nm[1]))

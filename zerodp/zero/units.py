@@ -17,7 +17,7 @@ backward. That is why a unit must be gathered before its backward runs (the pre-
 
 [Note: choosing units]
 `zerodp.zero.set_z3_leaf_modules(model, [Block])` (DeepSpeed's name) makes every module of those
-classes a unit. Otherwise each child of the model's largest `nn.ModuleList` (its repeated blocks)
+classes a unit. Otherwise each child of the model's largest outermost `nn.ModuleList` (its repeated blocks)
 is a unit, the expert lists of mixture-of-experts blocks left out of that choice. A MoE block is
 never split: one inside a chosen unit stays in it whole, one outside every unit, or holding marked
 modules, is a unit itself (zero/moe.py's [Note: MoE blocks are gathered whole]). Every parameter outside those units belongs to the root unit, the whole model, which
