@@ -131,22 +131,27 @@ def _gathered(rank: int, world: int, precision: dict) -> dict:
                                 use_last=_always)
     flat_losses, _, _ = _zerodp(rank, 2, 1, {**_config(), **precision}, _adamw, {"reuse_first": False},
                                 use_last=_always)
+    import zerodp
+
     unit = engine.strategy.units[1]
-    out = {}
-    for name, exact in (("quantized", False), ("exact", True)):
-        unit.gather(exact=exact)
-        out[name] = unit.trainable.full.clone()
-        unit.release()
-    return {**out, "losses": losses, "flat_losses": flat_losses}
+    unit.gather()  # as the forward and backward hooks do
+    quantized = unit.trainable.full.clone()
+    unit.release()
+    with zerodp.zero.GatheredParameters(list(unit.module.parameters())):  # never quantized
+        exact = unit.trainable.full.clone()
+    return {"quantized": quantized, "exact": exact, "shard": unit.trainable.shard.clone(),
+            "owned": unit.trainable.owned, "losses": losses, "flat_losses": flat_losses}
 
 
 @pytest.mark.parametrize("precision,unit_roundoff", [({}, 2.0**-24), (BF16, 2.0**-8)])
 def test_the_gathered_buffer_is_exactly_each_rank_s_dequantized_blocks_within_half_a_step(
         precision: dict, unit_roundoff: float) -> None:
     """Rank r's piece of the gathered buffer is deq(q(shard_r)) cast to the working dtype, bit for bit, and
-    |w - deq(q(w))| <= s/2 plus the rounding of the cast (a relative `unit_roundoff`) per element."""
+    |w - deq(q(w))| <= s/2 plus the rounding of the cast (a relative `unit_roundoff`) per element;
+    GatheredParameters gathers the exact values."""
     for result in run_ranks(_gathered, 2, args=(precision,)):
         exact, quantized = result["exact"], result["quantized"]
+        assert torch.equal(exact[result["owned"]], result["shard"])  # GatheredParameters: the values held
         q, scales = quantize_rows(exact.view(2, -1), BLOCK_NUMEL)
         expected = dequantize_rows(q, scales, BLOCK_NUMEL).reshape(-1)
         assert torch.equal(quantized, expected.to(exact.dtype))

@@ -15,10 +15,12 @@ actually sent.
   again for each secondary gather.
 - qgZ (`zero_quantized_gradients`): the gradient buffer's world pieces (piece r is rank r's shard) are
   each quantized, sent with one all-to-all of payloads and one of scales, and the owner dequantizes the
-  world pieces it receives and sums them in fp32 in rank order. int8 with one hop, not DeepSpeed's int4
-  two-hop (intra-node, then inter-node) all-to-all: int4 has 18x the rounding step of int8 (7 levels a
-  side, not 127), and its second hop re-quantizes partial sums; int8 keeps the gradient error at the
-  weights' level for 4x less traffic than fp32, on any backend. gloo and NCCL both run all_to_all_single.
+  world pieces it receives and sums them in fp32 (deterministic: the same order on every run). int8
+  over one hop, not DeepSpeed's int4 over two (an all-to-all inside the node, a re-quantized one across
+  nodes, CUDA kernels only): int4's step is 18x int8's (7 levels a side, not 127) and the second hop
+  quantizes partial sums again; int8 keeps the gradient's error at the weights' level for 4x less
+  traffic than fp32, on any backend (gloo and NCCL both run all_to_all_single). DeepSpeed too reads the
+  key at stage 3 only.
 - Gathers that must be exact are not quantized: `GatheredParameters`, the state dict and
   `save_16bit_model` (DeepSpeed quantizes only the fetches of the forward and backward passes), the
   persistent unit, and the broadcast at start-up.
