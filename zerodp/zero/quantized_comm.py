@@ -34,45 +34,54 @@ from zerodp import comm
 from zerodp.zero.quantize import dequantize_rows, quantize, quantize_rows
 
 
-class QuantizedGather:
+class _Quantized:
+    """A quantized collective in flight: int8 `payloads` and fp32 `scales` arriving (each rank's piece
+    one row); `wait()` waits for both, then `_land` turns them into the result."""
+
+    def __init__(self, num_ranks: int, block_numel: int) -> None:
+        self.num_ranks, self.block_numel = num_ranks, block_numel
+        self.works: list = []
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        self._land(dequantize_rows(self.payloads.view(self.num_ranks, -1), self.scales.view(self.num_ranks, -1),
+                                   self.block_numel))
+        self.payloads = self.scales = None
+
+    def _land(self, pieces: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class QuantizedGather(_Quantized):
     """qwZ: an all-gather of `source` (this rank's piece of `full`) as int8 blocks and scales over
     `group`, in flight; `wait()` dequantizes every rank's piece into `full`."""
 
     def __init__(self, full: torch.Tensor, source: torch.Tensor, group, block_numel: int) -> None:
-        self.full, self.block_numel = full, block_numel
-        self.num_ranks = comm.get_world_size(group)
+        super().__init__(comm.get_world_size(group), block_numel)
+        self.full = full
         payload, scales = quantize(source, block_numel)
         self.payloads = torch.empty(self.num_ranks * payload.numel(), dtype=torch.int8, device=full.device)
         self.scales = torch.empty(self.num_ranks * scales.numel(), dtype=scales.dtype, device=full.device)
         self.works = [comm.all_gather_into_tensor(self.payloads, payload, group=group, async_op=True),
                       comm.all_gather_into_tensor(self.scales, scales, group=group, async_op=True)]
 
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = []
-        values = dequantize_rows(self.payloads.view(self.num_ranks, -1), self.scales.view(self.num_ranks, -1),
-                                 self.block_numel)
-        self.full.copy_(values.reshape(-1))  # into the working dtype (round to nearest)
-        self.payloads = self.scales = None
+    def _land(self, pieces: torch.Tensor) -> None:
+        self.full.copy_(pieces.reshape(-1))  # into the working dtype (round to nearest)
 
 
-class QuantizedReduceScatter:
+class QuantizedReduceScatter(_Quantized):
     """qgZ: reduce-scatter `buffer` (world equal pieces) into `out` by an all-to-all of int8 pieces
     and scales over `group`, in flight; `wait()` sums the dequantized pieces in fp32 into `out`."""
 
     def __init__(self, out: torch.Tensor, buffer: torch.Tensor, group, block_numel: int) -> None:
-        self.out, self.block_numel = out, block_numel
-        num_ranks = comm.get_world_size(group)
-        payloads, scales = quantize_rows(buffer.view(num_ranks, -1), block_numel)
+        super().__init__(comm.get_world_size(group), block_numel)
+        self.out = out
+        payloads, scales = quantize_rows(buffer.view(self.num_ranks, -1), block_numel)
         self.payloads, self.scales = torch.empty_like(payloads), torch.empty_like(scales)
         self.works = [comm.all_to_all_single(self.payloads, payloads, group=group, async_op=True),
                       comm.all_to_all_single(self.scales, scales, group=group, async_op=True)]
 
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = []
-        pieces = dequantize_rows(self.payloads, self.scales, self.block_numel)
+    def _land(self, pieces: torch.Tensor) -> None:
         self.out.copy_(pieces.sum(dim=0))
-        self.payloads = self.scales = None
