@@ -567,10 +567,8 @@ def test_rule_still_runs_when_an_unrelated_key_of_its_section_fails() -> None:
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("config, path", [
-    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
      "zero_optimization.zero_quantized_nontrainable_weights"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
     ({"zero_optimization": {"stage": 3, "mics_hierarchical_params_gather": True}},
      "zero_optimization.mics_hierarchical_params_gather"),
     ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow"),
@@ -600,10 +598,13 @@ def test_unsupported_features_accepted_at_defaults() -> None:
 
 
 def test_zeropp_message_says_why() -> None:
-    problem = one_problem({TRAIN: 1, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}})
-    assert problem == ("zero_optimization.zero_quantized_weights: true is not supported by zerodp (ZeRO++ "
-                       "quantized communication needs DeepSpeed's CUDA quantization kernels; zerodp "
-                       "communicates in the training dtype); remove it or set false")
+    """qwZ and qgZ are built at stage 3 (tests/test_zeropp.py); storing frozen weights quantized is not."""
+    assert ok({"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}})
+    problem = one_problem({TRAIN: 1, "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}})
+    assert problem == ("zero_optimization.zero_quantized_nontrainable_weights: true is not supported by zerodp "
+                       "(storing frozen weights quantized is not implemented; zero_quantized_weights quantizes the "
+                       "all-gathers of every weight, frozen ones included, and keeps the shards in the working "
+                       "dtype); remove it or set false")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,13 +162,15 @@ def all_to_all_single(
     output: torch.Tensor,
     input: torch.Tensor,
     group: dist.ProcessGroup | None = None,
-) -> None:
+    async_op: bool = False,
+) -> Pending | None:
     """Split `input` into world equal chunks along dim 0, send chunk r to rank r of `group`, and
     write the chunk received from rank r as chunk r of `output` (same shape as `input`). The ledger
     counts `input`: every element handed over, the 1/world that stays on this rank included."""
     record("all_to_all", input, group)
     with naming_lost_peers():
-        dist.all_to_all_single(handed_over(output), handed_over(input), group=group)
+        return _pending(dist.all_to_all_single(handed_over(output), handed_over(input), group=group,
+                                               async_op=async_op), output, input)
 
 
 # [Note: gloo collectives]

@@ -3,7 +3,9 @@
 Volumes follow the accounting of design.md §4, per rank, in elements of the collective's dtype: an
 all-reduce of Ψ elements counts 2Ψ (a reduce-scatter Ψ plus an all-gather Ψ, which is what a
 bandwidth-optimal all-reduce moves), a reduce-scatter counts its input, a reduce to one rank its
-tensor, an all-gather its output, a broadcast its tensor, an all-to-all its input.
+tensor, an all-gather its output, a broadcast its tensor, an all-to-all its input. A quantized collective
+(ZeRO++ qwZ / qgZ, zerodp/zero/quantized_comm.py) is two collectives and counts what they send: the int8
+payload and the fp32 scales, each under its own dtype (`all_gather[int8]` + `all_gather[float32]`).
 
 [Note: one comm ledger per engine]
 A process may hold several engines (RLHF's actor, critic, reference and reward models; a GAN's

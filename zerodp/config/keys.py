@@ -15,8 +15,8 @@ from zerodp.config.schema import PIPELINE_DEFAULTS, ZeroDPConfig
 from zerodp.config.rules import show_value
 from zerodp.log import warn_once
 
-_ZEROPP = ("ZeRO++ quantized communication needs DeepSpeed's CUDA quantization kernels; zerodp "
-           "communicates in the training dtype")
+_ZEROPP_FROZEN = ("storing frozen weights quantized is not implemented; zero_quantized_weights quantizes the "
+                  "all-gathers of every weight, frozen ones included, and keeps the shards in the working dtype")
 _PIPE = "zerodp is data-parallel only: no pipeline parallelism"
 _REDUCE = "zerodp averages gradients in the accumulation dtype (data_types.grad_accum_dtype)"
 _MONITOR = "DeepSpeed's monitor backends are not built in; log the per-step metrics dict the engine returns yourself"
@@ -24,9 +24,7 @@ _SUPER = "a SuperOffload (Grace-Hopper) setting; zerodp's offloaded step is torc
 
 NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
     # path: (the value(s) accepted, why others are refused)
-    "zero_optimization.zero_quantized_weights": (False, _ZEROPP),
-    "zero_optimization.zero_quantized_nontrainable_weights": (False, _ZEROPP),
-    "zero_optimization.zero_quantized_gradients": (False, _ZEROPP),
+    "zero_optimization.zero_quantized_nontrainable_weights": (False, _ZEROPP_FROZEN),
     "zero_optimization.mics_hierarchical_params_gather": (False, "MiCS's two-hop parameter gather is not "
                                                                  "implemented: gathers stay inside the shard group"),
     "zero_optimization.zenflow": (None, "ZenFlow's stale-gradient CPU update is not implemented"),

@@ -169,6 +169,25 @@ def hierarchy_problems(cfg: ZeroDPConfig, world_size: int) -> list[str]:
     return problems
 
 
+def _quantized_collective_rules(cfg: ZeroDPConfig) -> list[str]:
+    """ZeRO++ qwZ / qgZ (zero/quantized_comm.py): stage 3 only (DeepSpeed reads the keys only at stage 3 and
+    ignores them below; zerodp refuses instead), and not with MiCS or sequence parallelism (not built)."""
+    zero, where, problems = cfg.zero_optimization, "zero_optimization", []
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if not getattr(zero, key):
+            continue
+        if zero.stage != 3:
+            problems.append(f"{where}.{key}: true quantizes the collectives of ZeRO stage 3; it needs {where}.stage 3 "
+                            f"(it is {zero.stage}): set the stage to 3 or remove the key")
+        elif zero.mics_shard_size > 1:
+            problems.append(f"{where}.{key} with {where}.mics_shard_size {zero.mics_shard_size}: quantized "
+                            "collectives with MiCS are not implemented; use zero_hpz_partition_size (hpZ) or drop one")
+        elif cfg.sequence_parallel_size > 1:
+            problems.append(f"{where}.{key} with sequence_parallel_size {cfg.sequence_parallel_size}: quantized "
+                            "collectives with sequence parallelism are not implemented; drop one of them")
+    return problems
+
+
 def _autocast_rules(cfg: ZeroDPConfig) -> list[str]:
     section = cfg.torch_autocast
     if not section.enabled or section.dtype == "bf16":
@@ -218,6 +237,9 @@ _RULES: tuple[tuple[tuple[str, ...], Callable[[ZeroDPConfig], list[str]]], ...] 
       "zero_optimization.sub_group_size"), _offload_rules),
 
     (("optimizer.params.max_grad_norm", "log_level"), _misc_rules),
+    (("zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients",
+      "zero_optimization.stage", "zero_optimization.mics_shard_size", "sequence_parallel_size"),
+     _quantized_collective_rules),
     (("torch_autocast.enabled", "torch_autocast.dtype"), _autocast_rules),
     (("compile",), _compile_rules),
 )

@@ -300,7 +300,8 @@ class ZeroConfig(Section):
     zero_hpz_partition_size: Int = Field(1, ge=0)
     mics_shard_size: Int = Field(-1, ge=-1)
     mics_hierarchical_params_gather: bool = False
-    # ZeRO++ quantization (qwZ, qgZ): accepted at these defaults only (see zerodp.config).
+    # ZeRO++ quantized collectives at stage 3 (zero/quantized_comm.py): qwZ and qgZ; storing frozen weights
+    # quantized is refused (config/keys.py), the combinations not built are refused by config/rules.py.
     zero_quantized_weights: bool = False
     zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False

@@ -241,7 +241,7 @@ class GatheredParameters:
                     p.ds_status = ZeroParamStatus.AVAILABLE
                 elif unit not in self.units:
                     self.units[unit] = unit.state is UnitState.SHARDED
-                    unit.gather()
+                    unit.gather(exact=True)  # never quantized (qwZ): the values are read or edited
                     unit.holds += 1
 
     @torch.no_grad()

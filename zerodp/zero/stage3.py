@@ -29,11 +29,12 @@ from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_optimizer_state,
 from zerodp.precision import first_nonfinite
 from zerodp.zero.base import (Fragment, OptimizerFactory, index_of, Piece, Strategy, clip_coefficient, elementwise_state, step_grad,
                              stepping_in, sum_over_ranks_grad_stats)
-from zerodp.zero import pairing
+from zerodp.zero import pairing, quantize
 from zerodp.zero.buckets import BucketSequence
 from zerodp.zero.flat import trainable_in_registration_order
 from zerodp.zero.init import gather_init_param, is_partitioned, release_init_shard
 from zerodp.zero.moe import ExpertCalls
+from zerodp.zero.quantized_comm import QuantizedReduceScatter
 from zerodp.zero.stage12 import MAX_BUCKETS_IN_FLIGHT, check_elementwise
 from zerodp.zero.stage3_hooks import PassKind, Stage3Hooks
 from zerodp.zero.topology import stage3_partition
@@ -67,6 +68,9 @@ class Stage3(Stage3Hooks, Strategy):
         trainable_in_registration_order(module, param_groups)  # every optimizer param is the model's
         self.names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
         self.partition = stage3_partition(int(zero.mics_shard_size), int(zero.zero_hpz_partition_size))
+        # ZeRO++ qwZ / qgZ: int8 blocks of quantize.BLOCK_NUMEL elements, 0: exact ([Note: quantized collectives])
+        self.weight_block_numel = quantize.BLOCK_NUMEL if zero.zero_quantized_weights else 0
+        self.grad_block_numel = quantize.BLOCK_NUMEL if zero.zero_quantized_gradients else 0
         # MiCS: gradient shards are all-reduced across replicas once per step, at the accumulation boundary,
         # where they are on the device (offloaded to the host, NCCL cannot: then every micro-batch, on the device)
         self._replicas_at_boundary = self.partition.num_replicas > 1 and self.home.device == self.device
@@ -114,7 +118,7 @@ class Stage3(Stage3Hooks, Strategy):
                     p.ds_shape, p.ds_numel = p.shape, p.numel()
             unit = Unit(index, name, m, params, self.partition, self.policy.param_dtype, self.device,
                         persistent, shard_device=self.param_home.device, offloaded=self.param_home.offload,
-                        trains=self.group_of.__contains__)
+                        trains=self.group_of.__contains__, weight_block_numel=self.weight_block_numel)
             self._fill_from_rank0(unit)
             self._init_grad_state(unit)
             self._swap_out(unit)  # NVMe: one unit's shard and master in memory at a time, even here
@@ -250,7 +254,10 @@ class Stage3(Stage3Hooks, Strategy):
             return
         buffer.mul_(self.grad_mean_factor)  # mean over every replica, divided before the sum as DDP does
         out = torch.empty(f.layout.shard_numel, dtype=buffer.dtype, device=buffer.device)
-        work = comm.reduce_scatter_tensor(out, buffer, group=unit.group, async_op=True)
+        if self.grad_block_numel:  # qgZ: int8 pieces by all-to-all, summed in fp32 at the owner
+            work = QuantizedReduceScatter(out, buffer, unit.group, self.grad_block_numel)
+        else:
+            work = comm.reduce_scatter_tensor(out, buffer, group=unit.group, async_op=True)
         self.in_flight.append((unit, out, buffer, work))
         if len(self.in_flight) > MAX_BUCKETS_IN_FLIGHT:
             self._finish_reduce()
@@ -476,7 +483,7 @@ class Stage3(Stage3Hooks, Strategy):
                 continue
             was_sharded = unit.state is UnitState.SHARDED
             with comm.ledger.outside_step():
-                unit.gather()
+                unit.gather(exact=True)
             if self.rank == 0:
                 state_dict.update({k: p.detach().to("cpu", copy=True) for k, p in keys})
             if was_sharded:

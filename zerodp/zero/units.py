@@ -47,6 +47,7 @@ from zerodp.memory import nbytes
 from zerodp.offload.param_swap import resident
 from zerodp.zero.layout import GroupLayout, group_layout
 from zerodp.zero.moe import find_moe_blocks, inside_blocks, outermost
+from zerodp.zero.quantized_comm import QuantizedGather
 from zerodp.zero.topology import Partition
 
 
@@ -147,8 +148,11 @@ class Unit:
     def __init__(self, index: int, name: str, module: nn.Module, params: list[nn.Parameter],
                  partition: Partition, dtype: torch.dtype, device: torch.device, persistent: bool = False,
                  shard_device: torch.device | None = None, offloaded: bool = False,
-                 trains: Callable[[nn.Parameter], bool] | None = None) -> None:
+                 trains: Callable[[nn.Parameter], bool] | None = None, weight_block_numel: int = 0) -> None:
         self.index, self.name, self.module, self.persistent = index, name, module, persistent
+        # qwZ: the forward's and backward's gathers send int8 blocks of this many elements (0: exact)
+        self.weight_block_numel = weight_block_numel
+        self._exact = True  # the gather in flight is exact (see [Note: quantized collectives])
         self.num_ranks = num_ranks = partition.shard_size  # the ranks its flat buffers are cut over
         self.group = partition.shard_group  # they all-gather over it
         self.secondary_group = partition.secondary_group  # hpZ: later gathers go over this one
@@ -210,11 +214,13 @@ class Unit:
             for p in f.params:
                 p.ds_status = status
 
-    def start_gather(self) -> None:
+    def start_gather(self, exact: bool = False) -> None:
         """SHARDED -> GATHERING: launch the all-gathers into re-allocated full buffers (with NVMe
-        parameter offload: launch the shards' reads; the all-gathers follow in finish_gather)."""
+        parameter offload: launch the shards' reads; the all-gathers follow in finish_gather).
+        `exact` (default False): never quantized, even with qwZ ([Note: quantized collectives])."""
         if self.state is not UnitState.SHARDED:
             raise AssertionError(f"rank {comm.get_rank()}: start_gather on unit {self.name} in state {self.state}")
+        self._exact = exact or not self.weight_block_numel
         if not self._reads:  # else read ahead already
             self._reads = [f.slot.read() for f in self.flats if f.slot is not None]  # evicted when gathered
         self._works = [] if self._reads else self._launch_all_gathers()
@@ -222,16 +228,18 @@ class Unit:
 
     def _launch_all_gathers(self) -> list:
         works = []
+        # hpZ: inside the secondary group, unless an exact gather must not read quantized values there
+        secondary = self.secondary_valid and (not self._exact or not self.weight_block_numel)
         for f in self.flats:
             f.allocate()
-            if self.secondary_valid:  # hpZ: inside the secondary group
-                works.append(comm.all_gather_into_tensor(f.full, f.secondary, group=self.secondary_group, async_op=True))
-                continue
-            shard = f.shard
-            if shard.device != f.full.device:  # offload_param: fetched from the host
-                with timers.waiting("offload", nbytes(shard)):
-                    shard = shard.to(f.full.device, non_blocking=True)
-            works.append(comm.all_gather_into_tensor(f.full, shard, group=self.group, async_op=True))
+            source, group = (f.secondary, self.secondary_group) if secondary else (f.shard, self.group)
+            if source.device != f.full.device:  # offload_param: fetched from the host
+                with timers.waiting("offload", nbytes(source)):
+                    source = source.to(f.full.device, non_blocking=True)
+            if self._exact:
+                works.append(comm.all_gather_into_tensor(f.full, source, group=group, async_op=True))
+            else:  # qwZ: quantized on the gather's device, dequantized on arrival
+                works.append(QuantizedGather(f.full, source, group, self.weight_block_numel))
         return works
 
     def _keep_secondary(self) -> None:
@@ -262,10 +270,11 @@ class Unit:
         self.point_params_at_full()
         self._enter(UnitState.GATHERED)
 
-    def gather(self) -> None:
-        """Make the unit GATHERED from any state (waits for a prefetch in flight)."""
+    def gather(self, exact: bool = False) -> None:
+        """Make the unit GATHERED from any state (waits for a prefetch in flight); `exact` as in
+        `start_gather`."""
         if self.state is UnitState.SHARDED:
-            self.start_gather()
+            self.start_gather(exact)
         if self.state is UnitState.GATHERING:
             self.finish_gather()
 
