@@ -54,12 +54,6 @@ def sequence_tiled_compute(fn: Callable, seqlen: int, shards: int, kwargs_to_sha
                                       output_reduction, *[{**kwargs_to_shard, **kwargs_to_pass}[k] for k in keys])
 
 
-def _constant(value: Any) -> Any:
-    """A tensor argument that gets no gradient, cut from the caller's graph (recomputing with it attached
-    would backpropagate into that graph a second time)."""
-    return value.detach() if isinstance(value, torch.Tensor) else value
-
-
 class SequenceTiledCompute(torch.autograd.Function):
     """DeepSpeed's autograd function behind `sequence_tiled_compute` (same positional arguments: fn,
     seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key, compute_params,
@@ -71,12 +65,18 @@ class SequenceTiledCompute(torch.autograd.Function):
         sharded = dict(zip(keys_to_shard, args[:len(keys_to_shard)]))
         passed = dict(zip(keys_to_pass, args[len(keys_to_shard):]))
         step = math.ceil(seqlen / shards)
-        ctx.fn, ctx.seqlen, ctx.step, ctx.key, ctx.dim, ctx.reduction = fn, seqlen, step, key, dim, reduction
-        ctx.sharded, ctx.passed, ctx.count, ctx.index = sharded, passed, len(args), keys_to_shard.index(key)
         outs = [fn(**{k: v[:, i * step:(i + 1) * step] for k, v in sharded.items()}, **passed) for i in range(shards)]
-        ctx.sizes = [o.shape[dim] for o in outs] if dim != 0 else None
         whole = torch.cat([o.unsqueeze(0) for o in outs]) if dim == 0 else torch.cat(outs, dim=dim)
-        ctx.shape = whole.shape
+        # tensors through save_for_backward (what autograd keeps, and what the memory ledger counts),
+        # the rest on ctx
+        ctx.keys = keys_to_shard + keys_to_pass
+        ctx.tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.save_for_backward(*[args[i] for i in ctx.tensor_at])
+        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.fn, ctx.step, ctx.key, ctx.dim, ctx.reduction = fn, step, key, dim, reduction
+        ctx.sharded_keys, ctx.shape = keys_to_shard, whole.shape
+        ctx.sizes = [o.shape[dim] for o in outs] if dim != 0 else None
+        ctx.wants_grad = sharded[key].requires_grad
         if reduction is None:
             return whole
         return whole.mean() if reduction == "mean" else whole.sum()
@@ -85,15 +85,16 @@ class SequenceTiledCompute(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         if ctx.reduction is not None:  # the gradient of the unreduced output
             grad = (grad / math.prod(ctx.shape) if ctx.reduction == "mean" else grad).expand(ctx.shape)
-        if ctx.dim == 0:
-            out_grads = list(grad.unbind(0))
-        else:
-            out_grads = list(torch.split(grad, ctx.sizes, dim=ctx.dim))
-        wanted = ctx.sharded[ctx.key]
-        others = {k: _constant(v) for k, v in ctx.sharded.items() if k != ctx.key}
-        passed = {k: _constant(v) for k, v in ctx.passed.items()}
+        out_grads = list(grad.unbind(0)) if ctx.dim == 0 else list(torch.split(grad, ctx.sizes, dim=ctx.dim))
+        args = list(ctx.others)
+        for i, tensor in zip(ctx.tensor_at, ctx.saved_tensors):
+            args[i] = tensor.detach()  # constants of the recomputation (recomputing attached would backpropagate
+            # into the caller's graph a second time); the wanted input gets its own detached tiles
+        values = dict(zip(ctx.keys, args))
+        others = {k: values[k] for k in ctx.sharded_keys if k != ctx.key}
+        passed = {k: values[k] for k in ctx.keys[len(ctx.sharded_keys):]}
         step = ctx.step
-        tiles = [wanted.detach()[:, i * step:(i + 1) * step].requires_grad_(wanted.requires_grad)
+        tiles = [values[ctx.key][:, i * step:(i + 1) * step].requires_grad_(ctx.wants_grad)
                  for i in range(len(out_grads))]
 
         def run(i: int, tile: torch.Tensor) -> torch.Tensor:
@@ -101,10 +102,10 @@ class SequenceTiledCompute(torch.autograd.Function):
                           **passed)
 
         tile_grads = backward_by_tile(run, tiles, out_grads)
-        args = [None] * ctx.count
-        if wanted.requires_grad:
-            args[ctx.index] = torch.cat(tile_grads, dim=1)
-        return (None,) * 9 + tuple(args)
+        grads: list = [None] * len(args)
+        if ctx.wants_grad:
+            grads[ctx.keys.index(ctx.key)] = torch.cat(tile_grads, dim=1)
+        return (None,) * 9 + tuple(grads)
 
 
 def _check_loss_inputs(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None, reduction: str) -> None:
