@@ -1,13 +1,16 @@
 """TRL's DPOTrainer with its reference model, on a DeepSpeed config, as users write it; nothing zerodp-specific.
 
-    zerodp run --nproc-per-node 2 tests/scripts/trl_dpo.py STAGE OUT_DIR [moe]      # on zerodp
+    zerodp run --nproc-per-node 2 tests/scripts/trl_dpo.py STAGE OUT_DIR [moe|experts]      # on zerodp
     DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 tests/scripts/trl_dpo.py STAGE OUT_DIR   # on DeepSpeed
 
 A tiny Llama and a word-level tokenizer are built from configs and saved (no hub downloads); DPOTrainer
 loads the policy from that directory and builds the reference model itself, which TRL hands to
 `deepspeed.initialize` without an optimizer (sharded at stage 3, stage 0 otherwise). bf16, 4 steps.
 Prints one JSON line on rank 0: the logged loss, rewards/chosen, rewards/margins per step, and what
-the reference model became.
+the reference model became. `moe`: a tiny Qwen3-MoE policy (transformers' fused experts); `experts`:
+tests/moe_hf.py's DeepSeek-style model (a ModuleList of expert modules, loaded through the Auto classes
+like remote code), and every rank writes the experts its policy called per forward to
+OUT_DIR/expert_calls_RANK.json.
 """
 
 import json
@@ -26,6 +29,11 @@ from trl import DPOConfig, DPOTrainer
 
 stage = int(sys.argv[1])
 MOE = sys.argv[3:] == ["moe"]  # optional third argument: a Qwen3-MoE policy instead of the Llama
+EXPERTS = sys.argv[3:] == ["experts"]  # or a per-expert-module MoE policy
+if EXPERTS:
+    from tests.moe_hf import TinyExpertsConfig, TinyExpertsForCausalLM, register
+
+    register()
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(61)]
 DS_CONFIG = {
     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -44,6 +52,10 @@ def save_base(path: str) -> None:
     common = dict(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
                   pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    if EXPERTS:  # 8 experts, top-2, skipped when no token routes to them
+        TinyExpertsForCausalLM(TinyExpertsConfig(vocab_size=len(WORDS), pad_token_id=0, eos_token_id=1,
+                                                 bos_token_id=1)).save_pretrained(path)
+        return
     if MOE:  # a mixture-of-experts policy: 4 experts, top-1, so the ranks route differently
         Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32,
                                            head_dim=16, **common)).save_pretrained(path)
@@ -88,6 +100,9 @@ def main(out: str) -> None:
     trainer = DPOTrainer(model=base, args=args, train_dataset=preferences(),
                          processing_class=PreTrainedTokenizerFast.from_pretrained(base), callbacks=[logs])
     trainer.train()
+    if EXPERTS:
+        with open(os.path.join(out, f"expert_calls_{args.process_index}.json"), "w") as f:
+            json.dump(trainer.model.expert_calls(), f)
     if args.process_index == 0:
         print(json.dumps({"logs": logs.rows, "ref_model": type(trainer.ref_model).__module__,
                           "ref_forward_only": getattr(trainer.ref_model, "forward_only", None)}))

@@ -12,7 +12,9 @@ before `zerodp.initialize`, turn it on.
 - hf.py: `register_attention` (transformers' attention registry, patched by name);
 - data.py: `shard_batch`, `SequenceShardLoader` (pre-shifted labels, position ids);
 - loss.py: `sequence_parallel_loss`, the sequence's mean loss from its shards;
-- tiled.py: `TiledMLP`, an MLP a sequence tile at a time (DeepSpeed's ALST signature).
+- tiled.py: `TiledMLP`, an MLP a sequence tile at a time (DeepSpeed's ALST signature);
+- tiled_compute.py: `sequence_tiled_compute` (any function a sequence shard at a time) and
+  `TiledFusedLogitsLoss` (head + loss a shard of tokens at a time), DeepSpeed's signatures.
 
 Recipe (a Hugging Face causal LM, `torchrun --nproc-per-node 4 train.py`, config
 {"sequence_parallel_size": 2, ...}):
@@ -35,7 +37,9 @@ from zerodp.sequence.groups import current, initialize_sequence_parallel, is_ini
 from zerodp.sequence.hf import register_attention, unregister_attention
 from zerodp.sequence.loss import sequence_parallel_loss
 from zerodp.sequence.tiled import TiledMLP
+from zerodp.sequence.tiled_compute import SequenceTiledCompute, TiledFusedLogitsLoss, sequence_tiled_compute
 
-__all__ = ["SequenceShardLoader", "TiledMLP", "UlyssesAttention", "current", "exchange", "heads_to_ranks",
-           "initialize_sequence_parallel", "is_initialized", "kv_replication", "register_attention", "reset",
-           "sequence_parallel_loss", "sequence_to_ranks", "shard_batch", "shift_labels", "unregister_attention"]
+__all__ = ["SequenceShardLoader", "SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "UlyssesAttention",
+           "current", "exchange", "heads_to_ranks", "initialize_sequence_parallel", "is_initialized", "kv_replication", "register_attention", "reset",
+           "sequence_parallel_loss", "sequence_tiled_compute", "sequence_to_ranks", "shard_batch", "shift_labels",
+           "unregister_attention"]

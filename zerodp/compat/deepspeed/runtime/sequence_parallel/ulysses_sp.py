@@ -13,7 +13,8 @@ from zerodp import comm
 from zerodp.compat.deepspeed._missing import missing_attributes
 from zerodp.compat.deepspeed.runtime.sequence_parallel import parallel_state_sp
 from zerodp.log import warn_once
-from zerodp.sequence import SequenceShardLoader, TiledMLP, UlyssesAttention, groups, register_attention
+from zerodp.sequence import (SequenceShardLoader, SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, UlyssesAttention,
+                             groups, register_attention, sequence_tiled_compute)
 from zerodp.zero.topology import SequenceParallel
 
 
@@ -72,5 +73,6 @@ class UlyssesSPDataLoaderAdapter(SequenceShardLoader):
         return getattr(self.loader, name)
 
 
-__all__ = ["TiledMLP", "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
+__all__ = ["SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter",
+           "sequence_tiled_compute"]
 __getattr__ = missing_attributes(__name__)
