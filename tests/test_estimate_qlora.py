@@ -65,9 +65,10 @@ def test_trainable_params_are_peft_s_count(tmp_path, capsys, targets: str, peft_
 
 
 def test_the_frozen_base_is_counted_in_4_bits_and_only_adapters_train(tmp_path, capsys) -> None:
-    """Stage 0, bf16: the packed weights in their bf16 container and the unquantized rest (embeddings, norms,
-    the output layer) are param16; the statistics a buffer; gradients, masters and Adam only for adapters.
-    Stage 3 at 2 ranks shards the container; the statistics stay whole on every rank."""
+    """Stage 0, bf16: the packed weights in their bf16 container are param4bit, the unquantized rest (embeddings,
+    norms, the output layer) and the adapters param16; the statistics quant_state (the ledger's rows,
+    tests/test_qlora_ledger.py); gradients, masters and Adam only for adapters. Stage 3 at 2 ranks shards the
+    container; the statistics stay whole on every rank."""
     model, config = _llama(tmp_path)
     reference = transformers.LlamaForCausalLM(config)
     linears = [m for name, m in reference.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
@@ -79,11 +80,12 @@ def test_the_frozen_base_is_counted_in_4_bits_and_only_adapters_train(tmp_path, 
     rows = {(r["stage"], r["offload_optimizer"], r["offload_param"]): r
             for r in _rows(capsys, model, "--quantization", "nf4", "--lora-rank", "4", "--world-size", "2")}
     stage0 = rows[(0, "none", "none")]["by_category"]
-    assert stage0["param16 (device)"] == 2 * (container + rest + adapters)
-    assert stage0["buffer (device)"] == buffers + sum(nf4_state_bytes(m.weight.numel()) for m in linears)
+    assert stage0["param4bit (device)"] == 2 * container and stage0["param16 (device)"] == 2 * (rest + adapters)
+    assert stage0["buffer (device)"] == buffers
+    assert stage0["quant_state (device)"] == sum(nf4_state_bytes(m.weight.numel()) for m in linears)
     assert stage0["grad (device)"] == 2 * adapters and stage0["param32_master (device)"] == 4 * adapters
     stage3 = rows[(3, "none", "none")]
-    assert stage3["by_category"]["buffer (device)"] == stage0["buffer (device)"]
+    assert stage3["by_category"]["quant_state (device)"] == stage0["quant_state (device)"]
     assert stage3["model_states_bytes"] < rows[(0, "none", "none")]["model_states_bytes"]
 
 

@@ -220,8 +220,8 @@ def _print_estimate(args: argparse.Namespace, rows: list[dict], numel: int, worl
 
 def _print_footnotes(peaks: bool, quantization: str = "none") -> None:
     if quantization == "nf4":
-        print("model states only (a 4-bit step is not simulated): the frozen base's packed NF4 weights are param16 "
-              "(sharded at stage 3), their quantization statistics a buffer held whole on every rank; only the LoRA "
+        print("model states only (a 4-bit step is not simulated): the frozen base's packed NF4 weights are param4bit "
+              "(sharded at stage 3), their quantization statistics quant_state, held whole on every rank; only the LoRA "
               "adapters have gradients, fp32 masters and Adam's state")
     elif peaks:
         print("peak: the most bytes live at once on the device over two simulated training steps (zerodp's "

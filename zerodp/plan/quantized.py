@@ -3,8 +3,9 @@
 `apply_qlora(module, QLoRA(rank=R), dtype_bytes)` turns a meta model into the one ZeRO would hold after
 `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_quant_storage=<the model's dtype>)`
 and PEFT's `get_peft_model(model, LoraConfig(r=R, target_modules=...))`: each quantized Linear's weight becomes a
-frozen parameter of its packed bytes in the storage dtype (what ZeRO flattens and shards), its quantization
-statistics become buffers (kept whole on every rank, as bitsandbytes keeps them beside the weight), and every
+frozen parameter of its packed bytes in the storage dtype (what ZeRO flattens and shards; the ledger's
+`param4bit`), its quantization statistics the weight's `quant_state` (kept whole on every rank, as bitsandbytes
+keeps them beside the weight; the ledger's `quant_state`), and every
 targeted Linear gains `lora_A` / `lora_B`, the only parameters that train. The model-state arithmetic
 (zerodp/plan/model_states.py) then counts it like any other model.
 
@@ -106,14 +107,22 @@ def apply_qlora(module: "torch.nn.Module", qlora: QLoRA, dtype_bytes: int) -> QL
         container = -(-nf4_packed_bytes(numel) // dtype_bytes)
         linear.weight = nn.Parameter(torch.empty(container, 1, device="meta", dtype=linear.weight.dtype),
                                      requires_grad=False)
-        linear.register_buffer("nf4_state", torch.empty(nf4_state_bytes(numel, qlora.double_quant),
-                                                        device="meta", dtype=torch.uint8))
+        linear.weight.quant_state = MetaQuantState(torch.empty(nf4_state_bytes(numel, qlora.double_quant),
+                                                               device="meta", dtype=torch.uint8))
         if qlora.adapts(name):
             linear.lora_A = nn.Linear(linear.in_features, qlora.rank, bias=False, device="meta")
             linear.lora_B = nn.Linear(qlora.rank, linear.out_features, bias=False, device="meta")
             trainable += lora_numel(linear.in_features, linear.out_features, qlora.rank)
             adapted += 1
     return QLoRASummary(len(linears), quantized_numel, adapted, trainable)
+
+
+class MetaQuantState:
+    """A 4-bit weight's quantization state on the meta device: its bytes as one uint8 tensor, an attribute of
+    the weight as bitsandbytes' `QuantState` is (zerodp/memory.py's `quant_state_tensors` reads either)."""
+
+    def __init__(self, statistics: "torch.Tensor") -> None:
+        self.statistics = statistics
 
 
 def _output_layer(module: "torch.nn.Module") -> "torch.nn.Module | None":
