@@ -123,3 +123,44 @@ def test_the_70b_table_of_memory_md(capsys) -> None:
                             "stage 3, offload optimizer and params -> cpu")):
         device, host = found[strategy]
         assert f"| {name} | {device / 1e9:.2f} | {host / 1e9:.2f} |".replace("| 0.00 |", "| 0 |") in doc, strategy
+
+
+def _quantized_llama(tmp_path, **quantization) -> str:
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                  "bnb_4bit_use_double_quant": True, "bnb_4bit_quant_storage": "bfloat16",
+                                  **quantization}
+    config.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_the_model_config_s_quantization_config_is_read(tmp_path, capsys) -> None:
+    """A config.json with bitsandbytes' nf4 quantization_config (double quantization on) estimates as the flags
+    would; an explicit --quantization none wins (the model trained in full)."""
+    model = _quantized_llama(tmp_path)
+    from_config = _rows(capsys, model, "--lora-rank", "4", "--world-size", "2")
+    from_flags = _rows(capsys, model, "--quantization", "nf4", "--double-quant", "--lora-rank", "4", "--world-size", "2")
+    assert from_config == from_flags and {r["quantization"] for r in from_config} == {"nf4"}
+    without = _rows(capsys, model, "--lora-rank", "4", "--world-size", "2", "--quantization", "nf4")
+    assert without == from_flags  # the config's double quantization, though the flag was not given
+    full = _rows(capsys, model, "--quantization", "none", "--model-states-only")
+    assert {r["quantization"] for r in full} == {"none"}
+    assert full[0]["trainable_params"] == sum(p.numel() for p in transformers.LlamaForCausalLM(
+        transformers.AutoConfig.from_pretrained(model)).parameters())
+
+
+@pytest.mark.parametrize("quantization,argv,message", [
+    ({"load_in_4bit": False, "load_in_8bit": True}, ["--quantization", "nf4"],
+     "--quantization nf4: MODEL .*'s quantization_config is int8 \\(load_in_8bit\\), not nf4"),
+    ({"bnb_4bit_quant_type": "fp4"}, [], "its quantization_config is fp4; zerodp estimate counts nf4 .* only"),
+    ({"quant_method": "gptq"}, [], "its quantization_config is gptq"),
+    ({"bnb_4bit_quant_storage": "uint8"}, [], "bnb_4bit_quant_storage is uint8, but --dtype bf16 trains in bfloat16"),
+    ({}, ["--dtype", "fp16"], "bnb_4bit_quant_storage is bfloat16, but --dtype fp16 trains in float16"),
+])
+def test_a_conflicting_quantization_config_is_refused(tmp_path, capsys, quantization: dict, argv: list[str],
+                                                      message: str) -> None:
+    import re
+
+    assert main(["estimate", _quantized_llama(tmp_path, **quantization), *argv]) == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -51,6 +51,39 @@ class QLoRA:
         return self.targets == (ALL_LINEAR,) or any(name == t or name.endswith("." + t) for t in self.targets)
 
 
+@dataclass(frozen=True)
+class ConfigQuantization:
+    """What a Hugging Face config's `quantization_config` says: the quantization (`nf4`, or a name zerodp does
+    not estimate such as `fp4` or `int8`), double quantization, and the 4-bit storage dtype's name."""
+
+    quantization: str
+    double_quant: bool = False
+    storage: str = "uint8"
+
+
+STORAGE_OF = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""The `bnb_4bit_quant_storage` that trains in each --dtype (zerodp/zero/quantized.py refuses the others)."""
+
+
+def config_quantization(module: "torch.nn.Module") -> ConfigQuantization | None:
+    """The `quantization_config` of `module`'s Hugging Face config (None when it has none), as
+    `BitsAndBytesConfig.to_dict()` writes it into config.json."""
+    found = getattr(getattr(module, "config", None), "quantization_config", None)
+    if found is None:
+        return None
+    raw = found if isinstance(found, dict) else found.to_dict() if hasattr(found, "to_dict") else vars(found)
+    method = str(getattr(raw.get("quant_method"), "value", raw.get("quant_method", "bitsandbytes")))
+    if method != "bitsandbytes":
+        return ConfigQuantization(method)
+    if raw.get("load_in_8bit"):
+        return ConfigQuantization("int8 (load_in_8bit)")
+    if not raw.get("load_in_4bit"):
+        return None  # a bitsandbytes config that quantizes nothing
+    storage = str(raw.get("bnb_4bit_quant_storage") or "uint8").removeprefix("torch.")
+    return ConfigQuantization(str(raw.get("bnb_4bit_quant_type", "fp4")), bool(raw.get("bnb_4bit_use_double_quant")),
+                              storage)
+
+
 def nf4_packed_bytes(numel: int) -> int:
     """Bytes of `numel` 4-bit codes, two to a byte."""
     return (numel + 1) // 2
