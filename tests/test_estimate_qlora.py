@@ -164,3 +164,22 @@ def test_a_conflicting_quantization_config_is_refused(tmp_path, capsys, quantiza
 
     assert main(["estimate", _quantized_llama(tmp_path, **quantization), *argv]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_plan_costs_candidates_with_the_quantized_model(tmp_path, capsys) -> None:
+    """`zerodp plan --quantization nf4`: the simulated step is the QLoRA model's (4-bit base, adapters train), so a
+    candidate's peak holds at least the estimator's QLoRA model states and less than full training's, and
+    stage 0's gradient all-reduce carries the adapters only (4 bytes per trainable parameter on 2 ranks)."""
+    model, config = _llama(tmp_path)
+    estimated = {r["strategy"]: r for r in _rows(capsys, model, "--quantization", "nf4", "--lora-rank", "4",
+                                                  "--world-size", "2")}
+    argv = ["plan", model, "--gpu", "cpu", "--gpus-per-node", "2", "--seq-len", "16", "--global-batch", "2",
+            "--activation-checkpointing", "none", "--quantization", "nf4", "--lora-rank", "4", "--exhaustive", "--json"]
+    assert main(argv) == 0
+    candidates = {c["strategy"]: c for c in json.loads(capsys.readouterr().out)["candidates"]}
+    assert set(candidates) == {"stage 0", "stage 1", "stage 2", "stage 3"}
+    full = {r["strategy"]: r for r in _rows(capsys, model, "--world-size", "2", "--model-states-only")}
+    for strategy, c in candidates.items():
+        assert estimated[strategy]["model_states_bytes"] < c["peak_bytes"] < full[strategy]["model_states_bytes"], \
+            strategy
+    assert candidates["stage 0"]["comm_bytes"] == 4 * estimated["stage 0"]["trainable_params"]

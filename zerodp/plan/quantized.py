@@ -21,11 +21,15 @@ double quantization. The output layer (lm_head) stays in the model's dtype, as t
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from zerodp.plan.workload import Workload
 
 QUANTIZATIONS = ("none", "nf4")
 """What `zerodp estimate --quantization` takes: none, or NF4 4-bit weights (bitsandbytes, QLoRA)."""
@@ -112,10 +116,12 @@ class QLoRASummary:
     trainable_numel: int
 
 
-def apply_qlora(module: "torch.nn.Module", qlora: QLoRA, dtype_bytes: int) -> QLoRASummary:
+def apply_qlora(module: "torch.nn.Module", qlora: QLoRA, dtype_bytes: int,
+                storage: "torch.dtype | None" = None) -> QLoRASummary:
     """Make `module` (built on the meta device) the model ZeRO holds under QLoRA (see the module's docstring):
     every parameter frozen, every Linear but the output layer quantized to NF4 stored in a `dtype_bytes`
-    container, adapters of `qlora.rank` on the targeted ones. ValueError when no Linear is quantized or a
+    container (of dtype `storage`, default the weight's: a simulated step needs the training dtype, which
+    zerodp requires), adapters of `qlora.rank` on the targeted ones. ValueError when no Linear is quantized or a
     target matches none."""
     import torch
     from torch import nn
@@ -138,16 +144,47 @@ def apply_qlora(module: "torch.nn.Module", qlora: QLoRA, dtype_bytes: int) -> QL
         numel = linear.weight.numel()
         quantized_numel += numel
         container = -(-nf4_packed_bytes(numel) // dtype_bytes)
-        linear.weight = nn.Parameter(torch.empty(container, 1, device="meta", dtype=linear.weight.dtype),
+        device = linear.weight.device  # meta for the estimate, fake for a simulated step (zerodp plan)
+        linear.weight = nn.Parameter(torch.empty(container, 1, device=device, dtype=storage or linear.weight.dtype),
                                      requires_grad=False)
         linear.weight.quant_state = MetaQuantState(torch.empty(nf4_state_bytes(numel, qlora.double_quant),
-                                                               device="meta", dtype=torch.uint8))
+                                                               device=device, dtype=torch.uint8))
+        linear.forward = types.MethodType(_qlora_forward, linear)
         if qlora.adapts(name):
-            linear.lora_A = nn.Linear(linear.in_features, qlora.rank, bias=False, device="meta")
-            linear.lora_B = nn.Linear(qlora.rank, linear.out_features, bias=False, device="meta")
+            linear.lora_A = nn.Linear(linear.in_features, qlora.rank, bias=False, device=device)
+            linear.lora_B = nn.Linear(qlora.rank, linear.out_features, bias=False, device=device)
             trainable += lora_numel(linear.in_features, linear.out_features, qlora.rank)
             adapted += 1
     return QLoRASummary(len(linears), quantized_numel, adapted, trainable)
+
+
+def _qlora_forward(self: "torch.nn.Linear", x: "torch.Tensor") -> "torch.Tensor":
+    """A quantized Linear's forward in shapes and bytes, as bitsandbytes' Linear4bit and PEFT's LoRA run it on a
+    GPU: the weight dequantized into a transient of the input's dtype, the matmul, plus lora_B(lora_A(x))."""
+    import torch
+    import torch.nn.functional as F
+
+    weight = torch.empty(self.out_features, self.in_features, dtype=x.dtype, device=x.device)
+    out = F.linear(x, weight, self.bias)
+    if hasattr(self, "lora_A"):
+        out = out + self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))).to(out.dtype)
+    return out
+
+
+def qlora_workload(work: "Workload", qlora: QLoRA, dtype: str) -> "Workload":
+    """`work` whose every build is the model QLoRA trains (`apply_qlora`): what `zerodp plan --quantization nf4`
+    simulates, so its candidates are costed with the 4-bit base, its quantization state and adapter-only
+    training state, and stage 3 gathers the packed codes; stored in the training `dtype` ("bf16", ...)."""
+    import torch
+
+    storage = getattr(torch, STORAGE_OF[dtype])
+
+    def build() -> "torch.nn.Module":
+        module = work.build()
+        apply_qlora(module, qlora, storage.itemsize, storage)
+        return module
+
+    return dataclasses.replace(work, build=build, spec=f"{work.spec} (QLoRA nf4, LoRA rank {qlora.rank})")
 
 
 class MetaQuantState:
