@@ -3,7 +3,7 @@
 zerodp casts floating parameters to the training dtype and stage 3 flattens them into a buffer of it; either
 would change a 4-bit weight's packed codes held in another dtype (measured: fp16 storage under bf16 training
 trained silently on wrong weights, fp32 storage failed inside bitsandbytes). `zerodp.initialize` refuses it
-by name before any collective (zerodp/zero/quantized.py); uint8 storage, no float, is left alone at stages 0-2.
+by name before any collective (zerodp/zero/four_bit.py); uint8 storage, no float, is left alone at stages 0-2.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_a_4bit_storage_other_than_the_training_dtype_is_refused(base_dir: str, 
 
 
 def test_uint8_storage_is_left_alone_below_stage_3(base_dir: str) -> None:  # noqa: F811
-    from zerodp.zero.quantized import check_4bit_storage
+    from zerodp.zero.four_bit import check_4bit_storage
 
     model = _model(base_dir, torch.uint8)
     for stage in (0, 1, 2):

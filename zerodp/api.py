@@ -19,7 +19,7 @@ from zerodp.optim import NoOptimizer, forward_only_reason, optimizer_factory, pa
 from zerodp.precision import DtypePolicy
 from zerodp.profiler import check_output_file
 from zerodp.zero import strategy_class
-from zerodp.zero.quantized import check_4bit_storage
+from zerodp.zero.four_bit import check_4bit_storage
 from zerodp.zero.units import full_numel
 from zerodp.plan import engines
 from zerodp.plan.doctor import Doctor

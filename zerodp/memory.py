@@ -66,9 +66,8 @@ class MemoryLedger:
             self.tensors[(category, where)].append(t)
 
     def add_bytes(self, category: Category, tier: str, num_bytes: int) -> None:
-        """Count bytes that are not a torch tensor (a file on NVMe, say); none: no row."""
-        if num_bytes:
-            self.held[(category, tier)] += num_bytes
+        """Count bytes that are not a torch tensor (a file on NVMe, say)."""
+        self.held[(category, tier)] += num_bytes
 
     def bytes(self, category: Category | None = None, tier: str | None = None) -> int:
         """Total bytes, optionally of one category and/or one tier."""

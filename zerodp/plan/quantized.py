@@ -66,7 +66,7 @@ class ConfigQuantization:
 
 
 STORAGE_OF = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-"""The `bnb_4bit_quant_storage` that trains in each --dtype (zerodp/zero/quantized.py refuses the others)."""
+"""The `bnb_4bit_quant_storage` that trains in each --dtype (zerodp/zero/four_bit.py refuses the others)."""
 
 
 def config_quantization(module: "torch.nn.Module") -> ConfigQuantization | None:

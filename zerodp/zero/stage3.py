@@ -533,7 +533,8 @@ class Stage3(Stage3Hooks, Strategy):
                 if f.slot is not None:
                     four_bit = f.shard.element_size() * quantized_numel(f.params, f.layout.offsets, f.owned.start,
                                                                         f.owned.stop)
-                    led.add_bytes(Category.PARAM_4BIT, NVME, four_bit)
+                    if four_bit:  # a QLoRA base's 4-bit weights: their own row
+                        led.add_bytes(Category.PARAM_4BIT, NVME, four_bit)
                     led.add_bytes(category, NVME, f.slot.num_bytes - four_bit)
                 else:
                     tensor, start, tier = (f.full, 0, DEVICE) if f.keep_full else \
