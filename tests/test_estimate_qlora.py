@@ -65,9 +65,10 @@ def test_trainable_params_are_peft_s_count(tmp_path, capsys, targets: str, peft_
 
 
 def test_the_frozen_base_is_counted_in_4_bits_and_only_adapters_train(tmp_path, capsys) -> None:
-    """Stage 0, bf16: the packed weights in their bf16 container and the unquantized rest (embeddings, norms,
-    the output layer) are param16; the statistics a buffer; gradients, masters and Adam only for adapters.
-    Stage 3 at 2 ranks shards the container; the statistics stay whole on every rank."""
+    """Stage 0, bf16: the packed weights in their bf16 container are param4bit, the unquantized rest (embeddings,
+    norms, the output layer) and the adapters param16; the statistics quant_state (the ledger's rows,
+    tests/test_qlora_ledger.py); gradients, masters and Adam only for adapters. Stage 3 at 2 ranks shards the
+    container; the statistics stay whole on every rank."""
     model, config = _llama(tmp_path)
     reference = transformers.LlamaForCausalLM(config)
     linears = [m for name, m in reference.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
@@ -79,11 +80,12 @@ def test_the_frozen_base_is_counted_in_4_bits_and_only_adapters_train(tmp_path, 
     rows = {(r["stage"], r["offload_optimizer"], r["offload_param"]): r
             for r in _rows(capsys, model, "--quantization", "nf4", "--lora-rank", "4", "--world-size", "2")}
     stage0 = rows[(0, "none", "none")]["by_category"]
-    assert stage0["param16 (device)"] == 2 * (container + rest + adapters)
-    assert stage0["buffer (device)"] == buffers + sum(nf4_state_bytes(m.weight.numel()) for m in linears)
+    assert stage0["param4bit (device)"] == 2 * container and stage0["param16 (device)"] == 2 * (rest + adapters)
+    assert stage0["buffer (device)"] == buffers
+    assert stage0["quant_state (device)"] == sum(nf4_state_bytes(m.weight.numel()) for m in linears)
     assert stage0["grad (device)"] == 2 * adapters and stage0["param32_master (device)"] == 4 * adapters
     stage3 = rows[(3, "none", "none")]
-    assert stage3["by_category"]["buffer (device)"] == stage0["buffer (device)"]
+    assert stage3["by_category"]["quant_state (device)"] == stage0["quant_state (device)"]
     assert stage3["model_states_bytes"] < rows[(0, "none", "none")]["model_states_bytes"]
 
 
@@ -121,3 +123,63 @@ def test_the_70b_table_of_memory_md(capsys) -> None:
                             "stage 3, offload optimizer and params -> cpu")):
         device, host = found[strategy]
         assert f"| {name} | {device / 1e9:.2f} | {host / 1e9:.2f} |".replace("| 0.00 |", "| 0 |") in doc, strategy
+
+
+def _quantized_llama(tmp_path, **quantization) -> str:
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                  "bnb_4bit_use_double_quant": True, "bnb_4bit_quant_storage": "bfloat16",
+                                  **quantization}
+    config.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_the_model_config_s_quantization_config_is_read(tmp_path, capsys) -> None:
+    """A config.json with bitsandbytes' nf4 quantization_config (double quantization on) estimates as the flags
+    would; an explicit --quantization none wins (the model trained in full)."""
+    model = _quantized_llama(tmp_path)
+    from_config = _rows(capsys, model, "--lora-rank", "4", "--world-size", "2")
+    from_flags = _rows(capsys, model, "--quantization", "nf4", "--double-quant", "--lora-rank", "4", "--world-size", "2")
+    assert from_config == from_flags and {r["quantization"] for r in from_config} == {"nf4"}
+    without = _rows(capsys, model, "--lora-rank", "4", "--world-size", "2", "--quantization", "nf4")
+    assert without == from_flags  # the config's double quantization, though the flag was not given
+    full = _rows(capsys, model, "--quantization", "none", "--model-states-only")
+    assert {r["quantization"] for r in full} == {"none"}
+    assert full[0]["trainable_params"] == sum(p.numel() for p in transformers.LlamaForCausalLM(
+        transformers.AutoConfig.from_pretrained(model)).parameters())
+
+
+@pytest.mark.parametrize("quantization,argv,message", [
+    ({"load_in_4bit": False, "load_in_8bit": True}, ["--quantization", "nf4"],
+     "--quantization nf4: MODEL .*'s quantization_config is int8 \\(load_in_8bit\\), not nf4"),
+    ({"bnb_4bit_quant_type": "fp4"}, [], "its quantization_config is fp4; zerodp estimate counts nf4 .* only"),
+    ({"quant_method": "gptq"}, [], "its quantization_config is gptq"),
+    ({"bnb_4bit_quant_storage": "uint8"}, [], "bnb_4bit_quant_storage is uint8, but --dtype bf16 trains in bfloat16"),
+    ({}, ["--dtype", "fp16"], "bnb_4bit_quant_storage is bfloat16, but --dtype fp16 trains in float16"),
+])
+def test_a_conflicting_quantization_config_is_refused(tmp_path, capsys, quantization: dict, argv: list[str],
+                                                      message: str) -> None:
+    import re
+
+    assert main(["estimate", _quantized_llama(tmp_path, **quantization), *argv]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_plan_costs_candidates_with_the_quantized_model(tmp_path, capsys) -> None:
+    """`zerodp plan --quantization nf4`: the simulated step is the QLoRA model's (4-bit base, adapters train), so a
+    candidate's peak holds at least the estimator's QLoRA model states and less than full training's, and
+    stage 0's gradient all-reduce carries the adapters only (4 bytes per trainable parameter on 2 ranks)."""
+    model, config = _llama(tmp_path)
+    estimated = {r["strategy"]: r for r in _rows(capsys, model, "--quantization", "nf4", "--lora-rank", "4",
+                                                  "--world-size", "2")}
+    argv = ["plan", model, "--gpu", "cpu", "--gpus-per-node", "2", "--seq-len", "16", "--global-batch", "2",
+            "--activation-checkpointing", "none", "--quantization", "nf4", "--lora-rank", "4", "--exhaustive", "--json"]
+    assert main(argv) == 0
+    candidates = {c["strategy"]: c for c in json.loads(capsys.readouterr().out)["candidates"]}
+    assert set(candidates) == {"stage 0", "stage 1", "stage 2", "stage 3"}
+    full = {r["strategy"]: r for r in _rows(capsys, model, "--world-size", "2", "--model-states-only")}
+    for strategy, c in candidates.items():
+        assert estimated[strategy]["model_states_bytes"] < c["peak_bytes"] < full[strategy]["model_states_bytes"], \
+            strategy
+    assert candidates["stage 0"]["comm_bytes"] == 4 * estimated["stage 0"]["trainable_params"]

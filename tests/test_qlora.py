@@ -4,7 +4,7 @@ A tiny Llama saved in bf16, loaded with `BitsAndBytesConfig(load_in_4bit=True, b
 bnb_4bit_quant_storage=torch.bfloat16)`, LoRA on q/v, 2 ranks: every stage trains the same losses, bitwise
 (bf16 adapters with fp32 masters; the frozen 4-bit storage is partitioned and gathered per unit at stage 3
 with its quantization state intact), within a stated band of a single-process PEFT reference, and the
-ledger counts the packed 4-bit bytes, not 16-bit weights.
+ledger counts the packed 4-bit bytes (`param4bit`), not 16-bit weights.
 """
 
 from __future__ import annotations
@@ -111,10 +111,11 @@ def test_qlora_trains_alike_at_every_stage(base_dir: str) -> None:
     quantized = sum(m.weight.quant_state.shape.numel() for m in model.modules()
                     if isinstance(m, bitsandbytes.nn.Linear4bit))
     assert packed == quantized // 2
-    held = [r["runs"] for r in results]
-    assert held[0][0]["held"]["param16"]["device"] == packed + others
-    assert sum(h[3]["held"]["param16"]["device"] for h in held) == packed + others
-    assert sum(r["offload"]["held"]["param16"]["cpu"] for r in results) == packed + others
+    held = [r["runs"] for r in results]  # the 4-bit storage is its own row (tests/test_qlora_ledger.py: every byte)
+    assert held[0][0]["held"]["param4bit"]["device"] == packed and held[0][0]["held"]["param16"]["device"] == others
+    assert sum(h[3]["held"]["param4bit"]["device"] + h[3]["held"]["param16"]["device"] for h in held) == packed + others
+    assert sum(h[3]["held"]["param4bit"]["device"] for h in held) == packed
+    assert sum(r["offload"]["held"]["param4bit"]["cpu"] for r in results) == packed
 
 
 class _Replacing(torch.nn.Module):

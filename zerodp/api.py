@@ -19,6 +19,7 @@ from zerodp.optim import NoOptimizer, forward_only_reason, optimizer_factory, pa
 from zerodp.precision import DtypePolicy
 from zerodp.profiler import check_output_file
 from zerodp.zero import strategy_class
+from zerodp.zero.four_bit import check_4bit_storage
 from zerodp.zero.units import full_numel
 from zerodp.plan import engines
 from zerodp.plan.doctor import Doctor
@@ -132,6 +133,7 @@ def _preflight(model: nn.Module, cfg: ZeroDPConfig, groups: list[dict], forward_
     """What a user can get wrong that this rank can see alone, refused before any collective: partitions
     zerodp cannot read, an unwritable profile, model states or an offload that do not fit this machine."""
     _check_partitioning(model, cfg)
+    check_4bit_storage(model, DtypePolicy.from_config(cfg).param_dtype, cfg.zero_optimization.stage)
     if cfg.flops_profiler.enabled:
         check_output_file(cfg.flops_profiler.output_file)
     if not comm.simulated():  # this machine's memory says nothing about the one a simulation estimates

@@ -578,7 +578,7 @@ def _describe(x: Any) -> str:
 
 
 _OFFLOAD_KINDS = {"optim_states": (Category.OPTIM_STATE,), "hp_params": (Category.PARAM32_MASTER,),
-                  "lp_params": (Category.PARAM16,), "lp_grads": (Category.GRAD,),
+                  "lp_params": (Category.PARAM16, Category.PARAM_4BIT), "lp_grads": (Category.GRAD,),
                   "contiguous_grad_buffer": (Category.GRAD,)}
 """DeepSpeed's OffloadStateTypeEnum values -> the ledger categories they name."""
 

@@ -26,6 +26,8 @@ class Category(str, Enum):
     OPTIM_STATE = "optim_state"  # optimizer state (Adam's exp_avg, exp_avg_sq, step)
     BUFFER = "buffer"  # module buffers (running stats, position ids)
     PARAM_SECONDARY = "param_secondary"  # hpZ: this rank's secondary partition of the working parameters
+    PARAM_4BIT = "param4bit"  # frozen 4-bit weights (bitsandbytes' packed codes, in their storage dtype's container)
+    QUANT_STATE = "quant_state"  # the 4-bit weights' quantization statistics and maps, whole on every rank
 
 
 DEVICE, CPU, NVME = "device", "cpu", "nvme"
@@ -33,7 +35,7 @@ DEVICE, CPU, NVME = "device", "cpu", "nvme"
 memory used to offload from it, and files on NVMe."""
 
 MODEL_STATE_CATEGORIES = (Category.PARAM16, Category.PARAM32_MASTER, Category.GRAD, Category.OPTIM_STATE,
-                          Category.PARAM_SECONDARY)
+                          Category.PARAM_SECONDARY, Category.PARAM_4BIT, Category.QUANT_STATE)
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -93,6 +95,68 @@ class MemoryLedger:
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every tensor in a torch optimizer's state (Adam: exp_avg, exp_avg_sq and the step counter)."""
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def is_quantized(param: torch.Tensor) -> bool:
+    """Whether `param` is a 4-bit weight: bitsandbytes' `Params4bit` (its packed codes, in a uint8 or
+    `bnb_4bit_quant_storage` container) carries the `quant_state` it is dequantized with."""
+    return getattr(param, "quant_state", None) is not None
+
+
+def quant_state_tensors(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Every tensor of the quantization states of the 4-bit weights among `params`, each once: absmax
+    and the code map, and with double quantization the 8-bit absmax's offset and the nested state's
+    absmax and map. bitsandbytes keeps them as plain attributes of the weight (no parameter, no buffer),
+    so nothing else counts them; read duck-typed, as the runtime does not import bitsandbytes."""
+    found: dict[int, torch.Tensor] = {}  # by id: a tensor two weights share counts once
+
+    def walk(state: object) -> None:
+        for value in vars(state).values():
+            if isinstance(value, torch.Tensor):
+                found.setdefault(id(value), value)
+            elif type(value) is type(state):  # the nested state of double quantization
+                walk(value)
+
+    for p in params:
+        if is_quantized(p):
+            walk(p.quant_state)
+    return list(found.values())
+
+
+def add_flat(led: MemoryLedger, category: Category, tensor: torch.Tensor, start: int, params: list[torch.Tensor],
+             offsets: Iterable[int], tier: str = DEVICE) -> None:
+    """Count `tensor`, elements [start, start + numel) of a flat buffer in which `params` start at
+    `offsets`: the parts holding 4-bit weights as `Category.PARAM_4BIT`, the rest (other parameters,
+    padding) as `category`. The parts are views of `tensor`, so `engine.offload_states` still finds its storage."""
+    stop, pieces, at = start + tensor.numel(), [], start
+    for p, offset in zip(params, offsets):
+        lo, hi = max(start, offset), min(stop, offset + _full_numel(p))
+        if lo < hi and is_quantized(p):
+            pieces += [(category, at, lo), (Category.PARAM_4BIT, lo, hi)]
+            at = hi
+    if not pieces:
+        led.add(category, tensor, tier)
+        return
+    for cat, lo, hi in pieces + [(category, at, stop)]:
+        if lo < hi:
+            led.add(cat, tensor[lo - start : hi - start], tier)
+
+
+def quantized_numel(params: list[torch.Tensor], offsets: Iterable[int], start: int, stop: int) -> int:
+    """Elements of flat range [start, stop) that hold 4-bit weights (see `add_flat`)."""
+    return sum(max(0, min(stop, o + _full_numel(p)) - max(start, o)) for p, o in zip(params, offsets) if is_quantized(p))
+
+
+def _full_numel(p: torch.Tensor) -> int:
+    """Elements of the whole parameter, also while stage 3 has it partitioned (`ds_numel`)."""
+    return getattr(p, "ds_numel", p.numel())
+
+
+def add_module_states(led: MemoryLedger, module: torch.nn.Module) -> None:
+    """The module's buffers, and its 4-bit weights' quantization states (held whole on every rank,
+    beside the partitioned weights, at every stage)."""
+    led.add(Category.BUFFER, list(module.buffers()))
+    led.add(Category.QUANT_STATE, quant_state_tensors(module.parameters()))
 
 
 def format_ledger(report: dict, fmt_bytes) -> list[str]:

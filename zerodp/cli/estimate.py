@@ -34,9 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                "for a 70B model)")
     estimate.add_argument("--largest-layer", default="0", metavar="N",
                           help="parameters of the largest module, for DeepSpeed's stage-3 figure beside zerodp's")
-    estimate.add_argument("--quantization", choices=["none", "nf4"], default="none",
+    estimate.add_argument("--quantization", choices=["none", "nf4"], default=None,
                           help="nf4: QLoRA, a 4-bit frozen base (bitsandbytes NF4, stored in the training dtype) with "
-                               "LoRA adapters, the only parameters that train (needs MODEL; model states only)")
+                               "LoRA adapters, the only parameters that train (needs MODEL; model states only). Default: "
+                               "the model config's quantization_config, else none")
     estimate.add_argument("--lora-rank", default=None, metavar="R", help="adapter rank with --quantization nf4 (default 8)")
     estimate.add_argument("--lora-targets", default="all-linear", metavar="NAMES",
                           help="the Linear layers adapted: all-linear (default, as PEFT) or comma-separated module "
@@ -86,7 +87,9 @@ def _model(args: argparse.Namespace, problems: list[str]) -> tuple[Any, Any, int
         except ValueError as err:
             problems.append(str(err))
     numel = parse_count(args.params) if args.params is not None else None
-    if module is not None:
+    if module is None:
+        args.quantization = args.quantization or "none"
+    else:
         _quantize(args, module, problems)
         numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
     if args.params is not None and numel is None:
@@ -100,6 +103,7 @@ def _quantize(args: argparse.Namespace, module: Any, problems: list[str]) -> Non
     from zerodp.plan.quantized import QLoRA, apply_qlora
     from zerodp.sizes import parse_count
 
+    _resolve_quantization(args, module, problems)
     if args.quantization == "none":
         return
     rank = parse_count(args.lora_rank) if args.lora_rank is not None else 8
@@ -111,6 +115,32 @@ def _quantize(args: argparse.Namespace, module: Any, problems: list[str]) -> Non
         apply_qlora(module, QLoRA(rank, targets, args.double_quant), DTYPES[args.dtype])
     except ValueError as err:
         problems.append(str(err))
+
+
+def _resolve_quantization(args: argparse.Namespace, module: Any, problems: list[str]) -> None:
+    """--quantization, else the model config's quantization_config (with its double quantization): the flag
+    wins, a config quantized otherwise than the flag says, or stored in another dtype than --dtype, is refused."""
+    from zerodp.plan.quantized import STORAGE_OF, config_quantization
+
+    found = config_quantization(module)
+    if args.quantization is None:
+        args.quantization = found.quantization if found is not None else "none"
+        if found is not None and found.quantization != "nf4":
+            problems.append(f"MODEL {args.model}: its quantization_config is {found.quantization}; zerodp estimate "
+                            "counts nf4 (bitsandbytes 4-bit) only: give --quantization none to estimate the model "
+                            "unquantized")
+            args.quantization = "none"
+    elif found is not None and args.quantization == "nf4" and found.quantization != "nf4":
+        problems.append(f"--quantization nf4: MODEL {args.model}'s quantization_config is {found.quantization}, not "
+                        "nf4; drop the flag, or give --quantization none to estimate the model unquantized")
+    if args.quantization != "nf4" or found is None:
+        return
+    args.double_quant = args.double_quant or found.double_quant
+    if found.storage != STORAGE_OF[args.dtype]:
+        problems.append(f"MODEL {args.model}: quantization_config bnb_4bit_quant_storage is {found.storage}, but "
+                        f"--dtype {args.dtype} trains in {STORAGE_OF[args.dtype]}: zerodp refuses a 4-bit storage "
+                        f"other than the training dtype (it would change the packed codes; uint8 works at stages 0-2 "
+                        f"only); set bnb_4bit_quant_storage to {STORAGE_OF[args.dtype]}, or give --dtype to match")
 
 
 def _counts(args: argparse.Namespace, problems: list[str]) -> tuple[int | None, int | None, int | None]:
@@ -220,8 +250,8 @@ def _print_estimate(args: argparse.Namespace, rows: list[dict], numel: int, worl
 
 def _print_footnotes(peaks: bool, quantization: str = "none") -> None:
     if quantization == "nf4":
-        print("model states only (a 4-bit step is not simulated): the frozen base's packed NF4 weights are param16 "
-              "(sharded at stage 3), their quantization statistics a buffer held whole on every rank; only the LoRA "
+        print("model states only (a 4-bit step is not simulated): the frozen base's packed NF4 weights are param4bit "
+              "(sharded at stage 3), their quantization statistics quant_state, held whole on every rank; only the LoRA "
               "adapters have gradients, fp32 masters and Adam's state")
     elif peaks:
         print("peak: the most bytes live at once on the device over two simulated training steps (zerodp's "

@@ -53,6 +53,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="policies to try, comma-separated: none, blocks, selective (default none,blocks)")
     for flag, (_, _, text) in CLUSTER_FLAGS.items():
         plan.add_argument(flag, default=None, help=text)
+    plan.add_argument("--quantization", choices=["none", "nf4"], default="none",
+                      help="nf4: QLoRA, as zerodp estimate --quantization nf4 (a 4-bit frozen base, LoRA adapters train)")
+    plan.add_argument("--lora-rank", default="8", metavar="R", help="adapter rank with --quantization nf4 (default 8)")
+    plan.add_argument("--lora-targets", default="all-linear", metavar="NAMES",
+                      help="the Linear layers adapted: all-linear (default) or names such as q_proj,v_proj")
+    plan.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant")
     plan.add_argument("--exhaustive", action="store_true", help="simulate dominated candidates too (slower)")
     plan.add_argument("--top", type=int, default=10, help="candidates shown (default 10)")
     plan.add_argument("--output", default=None, metavar="PATH", help="write the best candidate as a DeepSpeed JSON config")
@@ -99,7 +105,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     problems: list[str] = []
     cluster = cluster_from(args, problems)
-    work = _workload(args, problems)
+    work = _qlora(args, _workload(args, problems), problems)
     seq_len, global_batch = _batch(args, work, cluster, problems)
     policies = _policies(args, problems)
     if problems:
@@ -134,6 +140,27 @@ def _workload(args: argparse.Namespace, problems: list[str]) -> "Workload | None
     except ValueError as err:
         problems.append(str(err))
         return None
+
+
+def _qlora(args: argparse.Namespace, work: "Workload | None", problems: list[str]) -> "Workload | None":
+    """--quantization nf4: the workload QLoRA trains (zerodp/plan/quantized.py), its flags checked on a meta build."""
+    from zerodp.plan.model_states import DTYPES
+    from zerodp.plan.quantized import QLoRA, apply_qlora, qlora_workload
+    from zerodp.sizes import parse_count
+
+    if args.quantization == "none" or work is None:
+        return work
+    rank = parse_count(args.lora_rank)
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) or ("all-linear",)
+    try:
+        if rank is None:
+            raise ValueError(f"--lora-rank {args.lora_rank}: expected a positive adapter rank such as 8 or 64")
+        qlora = QLoRA(rank, targets, args.double_quant)
+        apply_qlora(work.meta(), qlora, DTYPES[args.dtype])
+    except ValueError as err:
+        problems.append(str(err))
+        return None
+    return qlora_workload(work, qlora, args.dtype)
 
 
 def _batch(args: argparse.Namespace, work: "Workload | None", cluster: "Cluster | None",

@@ -115,7 +115,8 @@ class Doctor:
         else:
             allocated = reserved = None
         beyond = max(0, (live or 0) - device_states)
-        parts = {"parameters and gradients": _bytes_of(held, ("param16", "grad", "param_secondary")),
+        parts = {"parameters and gradients": _bytes_of(held, ("param16", "grad", "param_secondary", "param4bit",
+                                                                   "quant_state")),
                  "optimizer state and fp32 masters": _bytes_of(held, ("optim_state", "param32_master")),
                  ("the step's temporaries" if phase == "step" else "activations and temporaries"): beyond}
         return {"rank": comm.get_rank(), "world_size": comm.get_world_size(), "phase": phase, "module": module,

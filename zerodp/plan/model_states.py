@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from zerodp.memory import CPU, DEVICE, NVME, Category
+from zerodp.memory import CPU, DEVICE, NVME, Category, is_quantized, nbytes, quant_state_tensors
 from zerodp.zero.layout import group_layout
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -101,6 +101,15 @@ class Flat:
     numels: tuple[int, ...]
     trains: bool = True
     keep_full: bool = False
+    quantized: tuple[bool, ...] = ()  # per parameter: a 4-bit weight (`param4bit`); empty: none is
+    quant_state_bytes: int = 0  # its 4-bit weights' quantization states, whole on every rank
+
+    def quantized_numel(self, start: int = 0, stop: int | None = None) -> int:
+        """Elements of 4-bit weights in [start, stop) of the flat (unpadded order)."""
+        stop, total, offset = sys.maxsize if stop is None else stop, 0, 0
+        for n, q in zip(self.numels, self.quantized):
+            total, offset = total + q * max(0, min(stop, offset + n) - max(start, offset)), offset + n
+        return total
 
 
 def model_states(numel: int, num_ranks: int, strategy: StrategySpec, rank: int = 0,
@@ -120,10 +129,13 @@ def flat_states(flats: list[Flat], num_ranks: int, strategy: StrategySpec, rank:
     s, w = strategy, DTYPES[strategy.dtype]
     out = ModelStates(s)
     out.add(Category.BUFFER, DEVICE, buffer_bytes)
+    out.add(Category.QUANT_STATE, DEVICE, sum(f.quant_state_bytes for f in flats))
     working = Category.PARAM16 if w == 2 else Category.PARAM32_MASTER
     if s.stage == 0:
         trained = [n for f in flats if f.trains for n in f.numels]
-        out.add(working, DEVICE, w * sum(n for f in flats for n in f.numels))
+        four_bit = sum(f.quantized_numel() for f in flats)
+        out.add(Category.PARAM_4BIT, DEVICE, w * four_bit)
+        out.add(working, DEVICE, w * (sum(n for f in flats for n in f.numels) - four_bit))
         out.add(Category.GRAD, DEVICE, w * sum(trained))
         out.add(Category.PARAM32_MASTER, DEVICE, 4 * sum(trained) if w == 2 else 0)
         out.add(Category.OPTIM_STATE, DEVICE, ADAM_STATE_BYTES * sum(trained) + STEP_BYTES * len(trained))
@@ -131,7 +143,8 @@ def flat_states(flats: list[Flat], num_ranks: int, strategy: StrategySpec, rank:
     in_cpu = 0  # stage 3, parameters offloaded to nvme: shard elements kept in host memory so far
     for f in flats:
         if s.stage < 3 and not f.trains:
-            out.add(working, DEVICE, w * sum(f.numels))
+            out.add(Category.PARAM_4BIT, DEVICE, w * f.quantized_numel())
+            out.add(working, DEVICE, w * (sum(f.numels) - f.quantized_numel()))
             continue
         in_cpu = _add_flat(out, f, num_ranks, s, rank, param_max_in_cpu, in_cpu)
     return out
@@ -148,15 +161,15 @@ def _add_flat(out: ModelStates, f: Flat, num_ranks: int, s: StrategySpec, rank: 
     start, stop = layout.owned_range(rank)
     owned = sum(x.numel for x in layout.slices_in(start, stop))  # the parameters' elements in this shard
     home = {"none": DEVICE, "cpu": CPU, "nvme": NVME}[s.offload_optimizer]
-    if s.stage < 3:
-        out.add(working, DEVICE, w * layout.padded_numel)
-    elif f.keep_full:
-        out.add(working, DEVICE, w * layout.padded_numel)
+    if s.stage < 3 or f.keep_full:
+        out.add(Category.PARAM_4BIT, DEVICE, w * f.quantized_numel())
+        out.add(working, DEVICE, w * (layout.padded_numel - f.quantized_numel()))
     else:
         tier = {"none": DEVICE, "cpu": CPU, "nvme": NVME}[s.offload_param]
         if tier == NVME and in_cpu + shard <= max_in_cpu:
             tier, in_cpu = CPU, in_cpu + shard
-        out.add(working, tier, w * shard)
+        out.add(Category.PARAM_4BIT, tier, w * f.quantized_numel(start, stop))
+        out.add(working, tier, w * (shard - f.quantized_numel(start, stop)))
     if not f.trains:
         return in_cpu
     grad_tier = DEVICE if s.stage == 1 else CPU if home == NVME else home  # on nvme: in host memory
@@ -199,8 +212,11 @@ def module_flats(module: "torch.nn.Module", stage: int, num_ranks: int, persiste
 
     def split(params: list, keep_full: bool) -> list[Flat]:
         trains = tuple(full_numel(p) for p in params if trains_(p))
-        frozen = tuple(full_numel(p) for p in params if not trains_(p))
-        return [Flat(trains, True, keep_full)] * bool(trains) + [Flat(frozen, False, keep_full)] * bool(frozen)
+        frozen = [p for p in params if not trains_(p)]
+        quantized = tuple(is_quantized(p) for p in frozen)  # 4-bit weights (bitsandbytes) never train
+        frozen_flat = Flat(tuple(full_numel(p) for p in frozen), False, keep_full, quantized * any(quantized),
+                           sum(nbytes(t) for t in quant_state_tensors(frozen)))
+        return [Flat(trains, True, keep_full)] * bool(trains) + [frozen_flat] * bool(frozen)
 
     if stage < 3:
         return split(list(module.parameters()), False)

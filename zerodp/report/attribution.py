@@ -35,7 +35,8 @@ def _held_by_ledger(engine: Any) -> dict[str, int]:
     if not working:  # fp32: the device's masters are the parameters; an offloaded copy is a master
         working = held.get("param32_master", {}).get("device", 0)
         masters -= working
-    return {"parameters": working + total("param_secondary"), "gradients": total("grad"),
+    return {"parameters": working + total("param_secondary") + total("param4bit") + total("quant_state"),
+            "gradients": total("grad"),
             "fp32 masters": masters, "optimizer state": total("optim_state")}
 
 

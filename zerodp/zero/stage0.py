@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from zerodp import comm
-from zerodp.memory import Category, MemoryLedger, optimizer_state_tensors
+from zerodp.memory import Category, MemoryLedger, add_module_states, is_quantized, optimizer_state_tensors
 from zerodp.precision import first_nonfinite, has_inf_or_nan
 from zerodp.zero.base import Fragment, OptimizerFactory, Piece, Strategy, elementwise_state
 from zerodp.zero.flat import FlatGradBuffer, prepare_module, trainable_in_registration_order
@@ -282,12 +282,13 @@ class Stage0(Strategy):
     def ledger(self) -> MemoryLedger:
         led = MemoryLedger()
         for p in self.module.parameters():  # trainable and frozen; the fp32 params are their own master
-            led.add(Category.PARAM32_MASTER if p.dtype == torch.float32 else Category.PARAM16, p)
+            led.add(Category.PARAM_4BIT if is_quantized(p) else Category.PARAM32_MASTER if p.dtype == torch.float32
+                    else Category.PARAM16, p)
         if self.masters is not None:
             led.add(Category.PARAM32_MASTER, self.masters)
         led.add(Category.GRAD, self.grads.buffer)
         led.add(Category.OPTIM_STATE, optimizer_state_tensors(self.optimizer))
-        led.add(Category.BUFFER, list(self.module.buffers()))
+        add_module_states(led, self.module)
         led.transient_peak.update(self.transient_peak)
         return led
 

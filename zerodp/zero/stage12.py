@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from zerodp import comm
-from zerodp.memory import DEVICE, Category, MemoryLedger
+from zerodp.memory import DEVICE, Category, MemoryLedger, add_module_states, is_quantized
 from zerodp.offload.cpu import Home
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY
 from zerodp.offload.swap import OptimizerSwapper, SwapSlot, add_optimizer_state, swap_chunk_numel, swap_store
@@ -347,13 +347,14 @@ class Stage12(Strategy):
         trainable = set(self.group_of)
         tensors = [fg.flat_param for fg in self.groups] + [p for p in self.module.parameters() if p not in trainable]
         for t in tensors:  # the fp32 params are their own master
-            led.add(Category.PARAM32_MASTER if t.dtype == torch.float32 else Category.PARAM16, t)
+            led.add(Category.PARAM_4BIT if is_quantized(t) else Category.PARAM32_MASTER if t.dtype == torch.float32
+                    else Category.PARAM16, t)
         led.add(Category.GRAD, *self._grad_tensors())
         if self.swapper is None:  # else the masters are in the swap files
             led.add(Category.PARAM32_MASTER, [m for fg in self.groups if fg.separate_master for m in fg.masters],
                     self.home.tier)
         add_optimizer_state(led, self.optimizer, self.home.tier, self.swapper)
-        led.add(Category.BUFFER, list(self.module.buffers()))
+        add_module_states(led, self.module)
         led.transient_peak.update(self.transient_peak)
         return led
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from zerodp import comm
 from zerodp.log import logger, warn_once
-from zerodp.memory import DEVICE, NVME, Category, MemoryLedger
+from zerodp.memory import DEVICE, NVME, Category, MemoryLedger, add_flat, add_module_states, quantized_numel
 from zerodp.offload.cpu import Home
 from zerodp.offload.nvme import OPTIMIZER_NVME_PATH_KEY, PARAM_NVME_PATH_KEY
 from zerodp.offload.param_swap import ParamSwapper
@@ -538,9 +538,15 @@ class Stage3(Stage3Hooks, Strategy):
                 # keeps_full: the full buffer (the shard is a view of it); else the owned shard
                 category = Category.PARAM32_MASTER if f.full.dtype == torch.float32 else Category.PARAM16
                 if f.slot is not None:
-                    led.add_bytes(category, NVME, f.slot.num_bytes)
+                    four_bit = f.shard.element_size() * quantized_numel(f.params, f.layout.offsets, f.owned.start,
+                                                                        f.owned.stop)
+                    if four_bit:  # a QLoRA base's 4-bit weights: their own row
+                        led.add_bytes(Category.PARAM_4BIT, NVME, four_bit)
+                    led.add_bytes(category, NVME, f.slot.num_bytes - four_bit)
                 else:
-                    led.add(category, *((f.full, DEVICE) if f.keep_full else (f.shard, self.param_home.tier)))
+                    tensor, start, tier = (f.full, 0, DEVICE) if f.keep_full else \
+                        (f.shard, f.owned.start, self.param_home.tier)
+                    add_flat(led, category, tensor, start, f.params, f.layout.offsets, tier)
                 if f.secondary is not None:
                     led.add(Category.PARAM_SECONDARY, f.secondary, DEVICE)
             if unit.master is not None and unit.master is not unit.trainable.shard and self.swapper is None:
@@ -548,7 +554,7 @@ class Stage3(Stage3Hooks, Strategy):
             if unit.owned_grad is not None:
                 led.add(Category.GRAD, unit.owned_grad, self.home.tier)
         add_optimizer_state(led, self.optimizer, self.home.tier, self.swapper)
-        led.add(Category.BUFFER, list(self.module.buffers()))
+        add_module_states(led, self.module)
         led.transient_peak.update(self.transient_peak)
         return led
 
