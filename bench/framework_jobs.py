@@ -8,6 +8,7 @@ raises, so the bench exits non-zero.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -128,6 +129,13 @@ CHAT = Path("applications") / "DeepSpeed-Chat"
 CHAT_STEPS = {"dschat_sft": "step1_supervised_finetuning", "dschat_rm": "step2_reward_model_finetuning"}
 
 
+CHAT_PATCHES = [  # (file, text, replacement), applied to the copy: the one change DeepSpeed-Chat needs
+    # transformers 5 moved `no_init_weights` from modeling_utils to transformers.initialization
+    ("dschat/utils/model/model_utils.py", "from transformers.modeling_utils import no_init_weights",
+     "from transformers.initialization import no_init_weights"),
+]
+
+
 def _needs_chat(args) -> str | None:
     if args.deepspeed_examples is None:
         return "--deepspeed-examples (a DeepSpeedExamples checkout, for applications/DeepSpeed-Chat)"
@@ -145,6 +153,9 @@ def _chat_copy(args, inputs: dict, out: Path) -> Path:
         source = args.deepspeed_examples / CHAT
         for part in ("dschat", "training"):
             shutil.copytree(source / part, chat / part, ignore=shutil.ignore_patterns("*.log", "assets"))
+        for relative, before, after in CHAT_PATCHES:
+            path = chat / relative
+            path.write_text(path.read_text().replace(before, after))
         (chat / "data").mkdir()
         rows = inputs["pairs_jsonl"].read_text().splitlines()
         (chat / "data" / "train.json").write_text("\n".join(rows[:64]) + "\n")
@@ -204,6 +215,8 @@ def _chat_job(step: str):
             command = [*chat_command(args.deepspeed_python, framework), "main.py",
                        *chat_args(step, inputs, output, out / f"data-{framework}")]
             env = environment(framework, out, inputs["shims"], args.deepspeed_python)
+            # DeepSpeed-Chat's README installs its `dschat` package (`pip install -e .` in DeepSpeed-Chat/)
+            env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(chat)])
             log = out / f"{framework}.log"
             run(command, env, log, args.timeout, cwd=chat / "training" / CHAT_STEPS[step])
             results[framework] = chat_curves(step, log.read_text())
@@ -258,6 +271,8 @@ def llamafactory(args, inputs: dict, out: Path, environment, run) -> tuple[dict,
     for framework in ("zerodp", "deepspeed"):
         env = {**environment(framework, out, inputs["shims"], python), "FORCE_TORCHRUN": "1", "NNODES": "1",
                "NPROC_PER_NODE": "2", "MASTER_PORT": "29617", "DISABLE_VERSION_CHECK": "1"}
+        # llamafactory-cli starts `torchrun` from PATH: the one of its own venv
+        env["PATH"] = os.pathsep.join([str(Path(python).parent), env.get("PATH", "")])
         command = [python, "-c", "from llamafactory.cli import main; main()", "train",
                    str(llamafactory_config(args, inputs, out, framework))]
         run(command, env, out / f"{framework}.log", args.timeout)

@@ -47,10 +47,16 @@ from bench.framework_jobs import JOBS, Job  # noqa: E402
 from tests.framework_inputs import make_inputs  # noqa: E402
 
 _SITECUSTOMIZE = '''import os
-if os.environ.get("LOCAL_RANK") is not None and os.environ.get("ZERODP_AS_DEEPSPEED", "0") == "0":
-    import deepspeed  # a real DeepSpeed on CPU: initialise its comm as accelerate does on a GPU (bench/frameworks.py)
+# a real DeepSpeed on CPU: initialise its comm as accelerate does on a GPU (bench/frameworks.py); once per
+# rank: the marker keeps the rank's own child interpreters (DeepSpeed's py-cpuinfo probe) from joining
+if os.environ.get("LOCAL_RANK") is not None and not os.environ.get("BENCH_DS_COMM_STARTED"):
+    os.environ["BENCH_DS_COMM_STARTED"] = "1"
+    import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
 '''
+
+
+_ZERODP_HOOK = (REPO / "zerodp_as_deepspeed.pth").read_text()
 
 
 def environment(framework: str, work: Path, shims: Path, python: str) -> dict[str, str]:
@@ -61,7 +67,12 @@ def environment(framework: str, work: Path, shims: Path, python: str) -> dict[st
     paths = []
     if framework == "zerodp":
         env["ZERODP_AS_DEEPSPEED"] = "1"
-        paths.append(str(REPO))
+        # zerodp_as_deepspeed.pth installs the switch at start-up where zerodp is pip-installed; an
+        # interpreter without it (LLaMA-Factory's own venv) gets the same hook as a sitecustomize
+        hook = work / "zerodp-hook"
+        hook.mkdir(parents=True, exist_ok=True)
+        (hook / "sitecustomize.py").write_text(_ZERODP_HOOK)
+        paths += [str(REPO), str(hook)]
     else:
         env["ZERODP_AS_DEEPSPEED"] = "0"
         env.setdefault("DS_ACCELERATOR", "cpu")
@@ -120,16 +131,23 @@ def largest_difference(ours: dict[int, float], theirs: dict[int, float]) -> tupl
     return max((abs(ours[s] - theirs[s]), s) for s in common)
 
 
-def report(job: Job, results: dict[str, dict[int, float]], checks: list[str]) -> None:
+LOSS_BAND = 5e-4
+"""The largest |zerodp - DeepSpeed| loss difference a job may show: bf16 forward and backward in two
+implementations of ZeRO-3 (measured 5.1e-5 to 1.4e-4 over 6 steps, docs/deepspeed.md); a job over it fails."""
+
+
+def report(job: Job, results: dict[str, dict[int, float]], checks: list[str]) -> bool:
+    """Print a job's curves, its largest difference and checks; False when the difference is over LOSS_BAND."""
     for name, curve in results.items():
         print(f"{job.name:13s} {name:28s} " + " ".join(f"{step}:{loss:.7f}" for step, loss in sorted(curve.items())))
     if "zerodp" in results and "deepspeed" in results:
         diff, step = largest_difference(results["zerodp"], results["deepspeed"])
         print(f"{job.name:13s} max |zerodp - DeepSpeed| = {diff:.3e} at step {step} "
-              f"over steps {min(results['zerodp'])}-{max(results['zerodp'])}")
+              f"over steps {min(results['zerodp'])}-{max(results['zerodp'])} (band {LOSS_BAND:g})")
     for line in checks:
         print(f"{job.name:13s} {line}")
     sys.stdout.flush()
+    return "deepspeed" not in results or diff <= LOSS_BAND
 
 
 def main() -> int:
@@ -161,7 +179,7 @@ def main() -> int:
             failed += 1
             print(f"{name:13s} FAILED: {str(error)[-2500:]}")
             continue
-        report(job, results, checks)
+        failed += not report(job, results, checks)
     return 1 if failed else 0
 
 
