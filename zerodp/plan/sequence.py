@@ -177,9 +177,10 @@ def sharded_inputs(work: "Workload", micro_batch: int, seq_len: int, sp_size: in
 
 @dataclass(frozen=True)
 class Longest:
-    """The longest sequence that fits (0: not even `granule` tokens), the affine fit it came from
-    (peak = fixed_bytes + per_token_bytes x tokens, from two simulations), and the peaks checked at
-    it and one granule beyond (None where not simulated)."""
+    """The longest sequence that fits (0: not even `granule` tokens), the line peak = fixed_bytes +
+    per_token_bytes x tokens through the peaks simulated at it and one granule beyond (`peak_at`,
+    `peak_beyond`; where one was not simulated, the first line the search started from), and the
+    number of simulations."""
 
     seq_len: int
     fixed_bytes: int
@@ -207,10 +208,11 @@ def longest_sequence(peak: Callable[[int], int], budget_bytes: int, granule: int
     fits = max((t for t, p in peaks.items() if p <= budget_bytes), default=0)
     over = min((t for t, p in peaks.items() if p > budget_bytes), default=None)
     candidate = int((budget_bytes - fixed) / per_token) // granule * granule
-    for _ in range(MAX_SEARCH_STEPS):
+    for step in range(MAX_SEARCH_STEPS):
         if over is not None and over - fits <= granule:
-            return Longest(fits, fixed, per_token, peaks.get(fits), peaks.get(fits + granule), len(peaks))
-        if not (fits < candidate and (over is None or candidate < over)):  # the line missed: bisect
+            return _found(fits, granule, peaks, fixed, per_token)
+        line_holds = step < 2 and fits < candidate and (over is None or candidate < over)  # its answer, then 1 granule on
+        if not line_holds:  # the line missed: bisect (double while everything fits)
             candidate = 2 * fits if over is None else (fits + over) // 2 // granule * granule
         peaks[candidate] = peak(candidate)
         if peaks[candidate] <= budget_bytes:
@@ -218,3 +220,31 @@ def longest_sequence(peak: Callable[[int], int], budget_bytes: int, granule: int
         else:
             over, candidate = candidate, candidate - granule
     raise AssertionError(f"no longest sequence after {MAX_SEARCH_STEPS} simulations: fits {fits}, over {over}")
+
+
+def _found(seq_len: int, granule: int, peaks: dict[int, int], fixed: int, per_token: float) -> Longest:
+    """The answer, with the line through the peaks at it and one granule beyond where both were
+    simulated (the cost of a token there), else the first line."""
+    at, beyond = peaks.get(seq_len), peaks.get(seq_len + granule)
+    if at is not None and beyond is not None and seq_len:
+        per_token = (beyond - at) / granule
+        fixed = round(at - per_token * seq_len)
+    return Longest(seq_len, fixed, per_token, at, beyond, len(peaks))
+
+
+def longest_trainable_sequence(work: "Workload", strategy: Any, world_size: int, sp_size: int, budget_bytes: int,
+                               activation_checkpointing: str = "blocks", micro_batch: int = 1, granule: int = 1024,
+                               start: int | None = None) -> Longest:
+    """The longest sequence (a multiple of `granule` tokens) one rank of `world_size` trains `work` in
+    within `budget_bytes` of device memory with `strategy` (a StrategySpec), Ulysses over `sp_size`
+    ranks and this checkpointing policy: `longest_sequence` over simulated peaks (zerodp/plan/simulate.py),
+    starting at `start` tokens (default 8192 x sp_size, where the sequence's bytes already dominate)."""
+    from zerodp.memory import DEVICE
+    from zerodp.plan.simulate import simulate_strategy
+
+    def peak(seq_len: int) -> int:
+        sim = simulate_strategy(work, strategy, world_size, micro_batch, seq_len, activation_checkpointing,
+                                sequence_parallel=sp_size)
+        return sim.peak[DEVICE].bytes
+
+    return longest_sequence(peak, budget_bytes, granule, start or 8 * granule * sp_size)
