@@ -6,7 +6,7 @@
 For each GPUS:S row: the longest multiple of 1024 tokens (one sequence, micro-batch 1) whose simulated
 peak per rank stays within the usable memory (80 GB less the planner's 10% headroom: 72 GB), at ZeRO
 stage 3 with the optimizer offloaded to the CPU, every block checkpointed, bf16
-(zerodp/plan/sequence.py's `longest_trainable_sequence`: two simulations fix peak = fixed + per_token x L,
+(zerodp/plan/estimate.py's `longest_trainable_sequence`: two simulations fix peak = fixed + per_token x L,
 two more check the answer and one granule beyond). Prints a markdown table (docs/memory.md has it)
 and writes bench/results/longest_sequence.json.
 """
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from zerodp.plan.model_states import StrategySpec
-from zerodp.plan.sequence import longest_trainable_sequence
+from zerodp.plan.estimate import longest_trainable_sequence
 from zerodp.plan.workload import workload
 
 REPO = Path(__file__).resolve().parent.parent

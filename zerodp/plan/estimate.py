@@ -3,7 +3,9 @@
 Each row holds one strategy's model states by ledger category and tier (zerodp/plan/model_states.py: pure
 arithmetic from the partition layout the strategies allocate with) and, given a `Workload`
 (zerodp/plan/workload.py), the peak with activations and transient buffers from simulating the strategy's
-training step on fake tensors (zerodp/plan/simulate.py)."""
+training step on fake tensors (zerodp/plan/simulate.py); with Ulysses over S ranks, the rank's shard of
+the sequence and its all-to-all bytes (zerodp/plan/sequence.py); and the longest sequence that fits a
+device (`longest_trainable_sequence`)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from zerodp.memory import CPU, DEVICE, NVME
 from zerodp.plan.engines import EngineFactory
 from zerodp.plan.model_states import (DTYPES, StrategySpec, buffer_bytes, deepspeed_estimate, every_strategy,
                                       flat_states, model_states, module_flats)
-from zerodp.plan.sequence import all_to_all_bytes, model_heads
+from zerodp.plan.sequence import Longest, all_to_all_bytes, longest_sequence, model_heads
 from zerodp.plan.simulate import SimulationUnavailable, simulate_strategy
 from zerodp.plan.workload import Workload
 
@@ -104,3 +106,17 @@ def _sequence_fields(module: "torch.nn.Module | None", dtype: str, micro_batch: 
         all_to_all_bytes(heads, micro_batch, seq_len, sequence_parallel, DTYPES[dtype]).as_dict()
     return {"sequence_parallel": sequence_parallel, "all_to_all_bytes": exchanged}
 
+
+def longest_trainable_sequence(work: Workload, strategy: StrategySpec, world_size: int, sp_size: int, budget_bytes: int,
+                               activation_checkpointing: str = "blocks", micro_batch: int = 1, granule: int = 1024,
+                               start: int | None = None) -> Longest:
+    """The longest sequence (a multiple of `granule` tokens) one rank of `world_size` trains `work` in
+    within `budget_bytes` of device memory with `strategy` (a StrategySpec), Ulysses over `sp_size`
+    ranks and this checkpointing policy: zerodp/plan/sequence.py's `longest_sequence` over simulated peaks,
+    starting at `start` tokens (default 8192 x sp_size, where the sequence's bytes already dominate)."""
+    def peak(seq_len: int) -> int:
+        sim = simulate_strategy(work, strategy, world_size, micro_batch, seq_len, activation_checkpointing,
+                                sequence_parallel=sp_size)
+        return sim.peak[DEVICE].bytes
+
+    return longest_sequence(peak, budget_bytes, granule, start or 8 * granule * sp_size)

@@ -231,20 +231,3 @@ def _found(seq_len: int, granule: int, peaks: dict[int, int], fixed: int, per_to
         fixed = round(at - per_token * seq_len)
     return Longest(seq_len, fixed, per_token, at, beyond, len(peaks))
 
-
-def longest_trainable_sequence(work: "Workload", strategy: Any, world_size: int, sp_size: int, budget_bytes: int,
-                               activation_checkpointing: str = "blocks", micro_batch: int = 1, granule: int = 1024,
-                               start: int | None = None) -> Longest:
-    """The longest sequence (a multiple of `granule` tokens) one rank of `world_size` trains `work` in
-    within `budget_bytes` of device memory with `strategy` (a StrategySpec), Ulysses over `sp_size`
-    ranks and this checkpointing policy: `longest_sequence` over simulated peaks (zerodp/plan/simulate.py),
-    starting at `start` tokens (default 8192 x sp_size, where the sequence's bytes already dominate)."""
-    from zerodp.memory import DEVICE
-    from zerodp.plan.simulate import simulate_strategy
-
-    def peak(seq_len: int) -> int:
-        sim = simulate_strategy(work, strategy, world_size, micro_batch, seq_len, activation_checkpointing,
-                                sequence_parallel=sp_size)
-        return sim.peak[DEVICE].bytes
-
-    return longest_sequence(peak, budget_bytes, granule, start or 8 * granule * sp_size)
