@@ -268,7 +268,7 @@ def _print_sequence_parallel(row: dict, micro_batch: int, seq_len: int | None) -
     if sp == 1:
         return
     print(f"sequence parallel {sp}: ZeRO partitions over all {row['world_size']} ranks (the model states above), "
-          f"{row['world_size'] // sp} data-parallel replicas of {sp} ranks that share each sequence"
+          f"{row['world_size'] // sp} data-parallel replica(s) of {sp} ranks that share each sequence"
           + (f"; each rank holds {seq_len // sp} of the {seq_len} tokens outside attention, all of them for 1/{sp} "
              "of the heads inside it" if seq_len else ""))
     if exchanged:
