@@ -45,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     estimate.add_argument("--double-quant", action="store_true",
                           help="bnb_4bit_use_double_quant: quantize the 4-bit statistics too (0.52 instead of 0.56 "
                                "bytes per frozen weight)")
+    estimate.add_argument("--sequence-parallel", default="1", metavar="S",
+                          help="Ulysses sequence parallelism: each sequence split over S of the --world-size ranks "
+                               "(sequence_parallel_size; a Hugging Face model whose heads S splits; default 1)")
     estimate.add_argument("--json", action="store_true", help="print one JSON object per strategy and checkpointing policy")
     estimate.set_defaults(func=cmd_estimate)
 
@@ -56,10 +59,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     world, largest, micro_batch = _counts(args, problems)
     policies = _policies(args, problems)
     seq_len = _seq_len(args, work, module, problems)
+    sp = _sequence_parallel(args, world, module, seq_len, problems)
     if problems:
         print("zerodp estimate: " + "; ".join(problems), file=sys.stderr)
         return EXIT_USAGE
-    estimated = _estimate(args, numel, world, largest, module, work, micro_batch, seq_len, policies)
+    estimated = _estimate(args, numel, world, largest, module, work, micro_batch, seq_len, policies, sp)
     if estimated is None:
         return EXIT_USAGE
     rows, seq_len = estimated
@@ -67,6 +71,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return EXIT_OK
     _print_estimate(args, rows, numel, world, micro_batch, seq_len)
+    _print_sequence_parallel(rows[0], micro_batch, seq_len)
     return EXIT_OK
 
 
@@ -200,8 +205,27 @@ def _seq_len(args: argparse.Namespace, work: Any, module: Any, problems: list[st
     return None
 
 
+def _sequence_parallel(args: argparse.Namespace, world: int | None, module: Any, seq_len: int | None,
+                       problems: list[str]) -> int:
+    """--sequence-parallel: a size the world, the model's heads and the sequence take (the runtime's rules)."""
+    from zerodp.plan.sequence import model_heads, sequence_parallel_problems
+    from zerodp.sizes import parse_count
+
+    sp = parse_count(args.sequence_parallel)
+    if sp is None:
+        problems.append(f"--sequence-parallel {args.sequence_parallel}: expected a positive number of ranks per sequence")
+        return 1
+    if world is not None:
+        problems.extend(sequence_parallel_problems(sp, world, model_heads(module), args.model))
+    if seq_len is not None and seq_len % sp:
+        problems.append(f"--seq-len {seq_len} does not divide by --sequence-parallel {sp}: each rank holds an equal "
+                        f"shard (the runtime pads to a multiple or refuses); use {seq_len + -seq_len % sp}")
+    return sp
+
+
 def _estimate(args: argparse.Namespace, numel: int, world: int, largest: int, module: Any, work: Any,
-              micro_batch: int, seq_len: int | None, policies: tuple[str, ...]) -> tuple[list[dict], int | None] | None:
+              micro_batch: int, seq_len: int | None, policies: tuple[str, ...],
+              sp: int = 1) -> tuple[list[dict], int | None] | None:
     """The rows and the sequence length they were simulated at (None: model states only, also when the
     simulation is unavailable here); None when the model's own forward refused the input (said on stderr)."""
     from zerodp.plan.estimate import estimate_rows
@@ -211,13 +235,14 @@ def _estimate(args: argparse.Namespace, numel: int, world: int, largest: int, mo
     progress = (lambda line: print(f"zerodp estimate: {line}", file=sys.stderr, flush=True)) if simulate else None
     try:
         rows = estimate_rows(numel, world, args.dtype, largest, module, simulate, micro_batch, seq_len or 0, policies,
-                             progress, quantization=args.quantization)
+                             progress, quantization=args.quantization, sequence_parallel=sp)
     except ValueError as err:  # the model's own forward refused the input (a user's module:function)
         print(f"zerodp estimate: {err}", file=sys.stderr)
         return None
     except SimulationUnavailable as err:
         print(f"zerodp estimate: no peak estimate ({err}); model states only", file=sys.stderr)
-        return estimate_rows(numel, world, args.dtype, largest, module, quantization=args.quantization), None
+        return estimate_rows(numel, world, args.dtype, largest, module, quantization=args.quantization,
+                             sequence_parallel=sp), None
     return rows, seq_len
 
 
@@ -265,3 +290,18 @@ def _print_footnotes(peaks: bool, quantization: str = "none") -> None:
           "parameter / ranks) and, at stage 3, 4 bytes per parameter of the largest layer (--largest-layer), which "
           "zerodp counts as transients. Parameters offloaded to nvme stay in host memory up to offload_param.max_in_cpu "
           "(1e9) elements per rank")
+
+
+def _print_sequence_parallel(row: dict, micro_batch: int, seq_len: int | None) -> None:
+    """The sequence-parallel line under the table: S, the tokens a rank holds, its all-to-all bytes."""
+    sp, exchanged = row["sequence_parallel"], row["all_to_all_bytes"]
+    if sp == 1:
+        return
+    print(f"sequence parallel {sp}: ZeRO partitions over all {row['world_size']} ranks (the model states above), "
+          f"{row['world_size'] // sp} data-parallel replica(s) of {sp} ranks that share each sequence"
+          + (f"; each rank holds {seq_len // sp} of the {seq_len} tokens outside attention, all of them for 1/{sp} "
+             "of the heads inside it" if seq_len else ""))
+    if exchanged:
+        print(f"all-to-all per rank and micro-batch of {micro_batch}: {exchanged['forward_per_layer']:,} bytes per layer "
+              f"forward (q, k, v, output), {exchanged['backward_per_layer']:,} backward, {exchanged['per_micro_batch']:,} "
+              f"over {exchanged['layers']} layers ({(sp - 1) / sp:.0%} of it leaves the rank)")

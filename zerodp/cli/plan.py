@@ -59,6 +59,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--lora-targets", default="all-linear", metavar="NAMES",
                       help="the Linear layers adapted: all-linear (default) or names such as q_proj,v_proj")
     plan.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant")
+    plan.add_argument("--sequence-parallel", default="1", metavar="S",
+                      help="split each sequence over S ranks (Ulysses, sequence_parallel_size; a Hugging Face model). "
+                           "Default 1, and when nothing fits although the model states do, the plan tries 2, 4, 8, ... "
+                           "and proposes the smallest that fits")
     plan.add_argument("--exhaustive", action="store_true", help="simulate dominated candidates too (slower)")
     plan.add_argument("--top", type=int, default=10, help="candidates shown (default 10)")
     plan.add_argument("--output", default=None, metavar="PATH", help="write the best candidate as a DeepSpeed JSON config")
@@ -102,18 +106,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Check every flag (all problems on one line, exit 2), plan, print the table or JSON and write
     --output; exit 1 when nothing fits."""
     from zerodp.plan.planner import plan
+    from zerodp.sizes import parse_count
 
     problems: list[str] = []
     cluster = cluster_from(args, problems)
     work = _qlora(args, _workload(args, problems), problems)
     seq_len, global_batch = _batch(args, work, cluster, problems)
     policies = _policies(args, problems)
+    sp = parse_count(args.sequence_parallel)
+    if sp is None:
+        problems.append(f"--sequence-parallel {args.sequence_parallel!r}: expected a whole number of ranks >= 1")
     if problems:
         print("zerodp plan: " + "; ".join(problems), file=sys.stderr)
         return EXIT_USAGE
     say = lambda line: print(f"zerodp plan: {line}", file=sys.stderr, flush=True)  # noqa: E731
     try:
-        result = plan(work, cluster, seq_len, global_batch, args.dtype, policies, args.exhaustive, say)
+        result = plan(work, cluster, seq_len, global_batch, args.dtype, policies, args.exhaustive, say,
+                      sequence_parallel=sp)
     except ValueError as err:
         print(f"zerodp plan: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -126,7 +135,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"cluster": asdict(cluster), "seq_len": seq_len, "global_batch": global_batch,
                           "candidates": [c.as_dict() for c in result.candidates], "left_out": result.left_out,
                           "why": result.why(), "best_config": best.ds_config(global_batch) if best else None,
-                          "simulations": result.simulations}, indent=1))
+                          "simulations": result.simulations, "sequence_parallel": result.sequence_parallel,
+                          "sequence_note": result.sequence_note}, indent=1))
     else:
         _print_plan(args, result)
     return EXIT_OK if best is not None else EXIT_FAILED
@@ -197,7 +207,7 @@ def _print_plan(args: argparse.Namespace, result: "Plan") -> None:
     c = result.cluster
     print(f"plan: {args.model}, {c.nodes} node(s) x {c.gpus_per_node} {c.name} ({decimal_size(c.gpu_memory_bytes)} each, "
           f"{decimal_size(c.usable_bytes)} usable), {result.global_batch} samples x {result.seq_len} tokens per step, "
-          f"{args.dtype}")
+          f"{args.dtype}" + (f", sequence parallel {result.sequence_parallel}" if result.sequence_parallel > 1 else ""))
     if not result.candidates:
         print(f"nothing fits: {result.why()}")
     head = f"  {'#':>2} {'strategy':<44} {'micro x acc':>11} {'peak':>9} {'step s':>8} {'compute':>8} {'comm':>8} " \
@@ -218,6 +228,9 @@ def _print_plan(args: argparse.Namespace, result: "Plan") -> None:
         print(f"note: a DeepSpeed config does not turn on activation checkpointing: apply it to the model "
               f"(zerodp.checkpointing.apply(model, 'blocks'{', selective=True' if best.activation_checkpointing == 'selective' else ''}) "
               "or Hugging Face's model.gradient_checkpointing_enable())")
+    if best is not None and best.sequence_parallel > 1:
+        print(f"note: sequence_parallel_size {best.sequence_parallel} needs the model's attention wrapped and each batch cut "
+              "along the sequence (zerodp.sequence.register_attention, shard_batch; docs/long_sequences.md)")
     if args.output and best is not None:
         print(f"wrote {args.output} (check it with: zerodp config check {args.output} --world-size {c.world_size})")
 

@@ -3,7 +3,9 @@
 Each row holds one strategy's model states by ledger category and tier (zerodp/plan/model_states.py: pure
 arithmetic from the partition layout the strategies allocate with) and, given a `Workload`
 (zerodp/plan/workload.py), the peak with activations and transient buffers from simulating the strategy's
-training step on fake tensors (zerodp/plan/simulate.py)."""
+training step on fake tensors (zerodp/plan/simulate.py); with Ulysses over S ranks, the rank's shard of
+the sequence and its all-to-all bytes (zerodp/plan/sequence.py); and the longest sequence that fits a
+device (`longest_trainable_sequence`)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from typing import TYPE_CHECKING, Callable
 
 from zerodp.memory import CPU, DEVICE, NVME
 from zerodp.plan.engines import EngineFactory
-from zerodp.plan.model_states import (StrategySpec, buffer_bytes, deepspeed_estimate, every_strategy, flat_states,
-                                      model_states, module_flats)
+from zerodp.plan.model_states import (DTYPES, StrategySpec, buffer_bytes, deepspeed_estimate, every_strategy,
+                                      flat_states, model_states, module_flats)
+from zerodp.plan.sequence import Longest, all_to_all_bytes, longest_sequence, model_heads
 from zerodp.plan.simulate import SimulationUnavailable, simulate_strategy
 from zerodp.plan.workload import Workload
 
@@ -28,7 +31,8 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
                   module: "torch.nn.Module | None" = None, work: Workload | None = None, micro_batch: int = 1,
                   seq_len: int = 0, policies: tuple[str, ...] = ("none",),
                   progress: Callable[[str], None] | None = None,
-                  initialize: EngineFactory | None = None, quantization: str = "none") -> list[dict]:
+                  initialize: EngineFactory | None = None, quantization: str = "none",
+                  sequence_parallel: int = 1) -> list[dict]:
     """One plain-data row per strategy (`zerodp estimate --json`) and activation checkpointing policy:
     model states on the device, in host memory and on NVMe, per rank (rank 0), DeepSpeed's figure
     beside, and with `work` (whose `module` was built on the meta device) the peak of one simulated
@@ -36,8 +40,11 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
     group of `numel` and `peak_bytes` None. `progress(line)` hears of each simulation; `initialize` builds
     the simulated engines (default: zerodp.initialize; zerodp/plan/engines.py). `quantization` names how
     `module`'s frozen base is stored ("nf4": zerodp/plan/quantized.py made it), for the rows and for
-    DeepSpeed's figure, which has no such case (None)."""
+    DeepSpeed's figure, which has no such case (None). `sequence_parallel` S: Ulysses over S of the
+    `num_ranks` ranks (zerodp/plan/sequence.py: the model states are the same, ZeRO partitions over all
+    ranks; the rank holds L/S tokens; its all-to-all bytes are in `all_to_all_bytes`)."""
     simulated: dict = {}
+    sp_fields = _sequence_fields(module, dtype, micro_batch, seq_len if work is not None else 0, sequence_parallel)
     strategies = every_strategy(dtype)
     runs = len(policies) * len({s.device_twin() for s in strategies})
     rows = []
@@ -56,17 +63,17 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
                    "quantization": quantization, "trainable_params": numel,
                    "deepspeed_bytes": None if quantization != "none" else deepspeed_estimate(numel, num_ranks, s,
                                                                                                largest_layer),
-                   "strategy": s.describe()}
+                   "strategy": s.describe(), **sp_fields}
             if work is not None:
                 row.update(_peak_fields(simulated, work, s, num_ranks, micro_batch, seq_len, policy, runs, progress,
-                                        initialize))
+                                        initialize, sequence_parallel))
             rows.append(row)
     return rows
 
 
 def _peak_fields(cache: dict, work: Workload, s: StrategySpec, num_ranks: int, micro_batch: int, seq_len: int,
                  policy: str, runs: int, progress: Callable[[str], None] | None,
-                 initialize: EngineFactory | None = None) -> dict:
+                 initialize: EngineFactory | None = None, sequence_parallel: int = 1) -> dict:
     """A row's simulated fields, simulating the device twin of `s` once (`cache`). A model whose step
     cannot run on fake tensors gets `peak_error` instead (ValueError, a bad input, is raised)."""
     say = progress or (lambda line: None)
@@ -74,7 +81,8 @@ def _peak_fields(cache: dict, work: Workload, s: StrategySpec, num_ranks: int, m
     if twin not in cache:
         say(f"simulating {len(cache) + 1}/{runs}: {s.describe()}, activation checkpointing {policy}")
         try:
-            cache[twin] = simulate_strategy(work, s, num_ranks, micro_batch, seq_len, policy, initialize=initialize)
+            cache[twin] = simulate_strategy(work, s, num_ranks, micro_batch, seq_len, policy, initialize=initialize,
+                                            sequence_parallel=sequence_parallel)
         except (ValueError, SimulationUnavailable):
             raise
         except Exception as err:  # noqa: BLE001 - the model's own code under fake tensors: reported per row
@@ -85,5 +93,30 @@ def _peak_fields(cache: dict, work: Workload, s: StrategySpec, num_ranks: int, m
         return {"peak_error": sim}
     nvme = "nvme" in (s.offload_optimizer, s.offload_param)
     return {"peak_bytes": sim.peak[DEVICE].bytes, "peak_phase": sim.peak[DEVICE].phase,
-            "activations_bytes": sim.activations, "host_peak_bytes": None if nvme else sim.peak[CPU].bytes}
+            "activations_bytes": sim.activations, "host_peak_bytes": None if nvme else sim.peak[CPU].bytes,
+            "comm_bytes": dict(sim.step_comm.bytes)}
 
+
+def _sequence_fields(module: "torch.nn.Module | None", dtype: str, micro_batch: int, seq_len: int,
+                     sequence_parallel: int) -> dict:
+    """A row's sequence-parallel fields: S, and with a model and a sequence length the all-to-all bytes
+    one rank hands over per layer and per micro-batch (zerodp/plan/sequence.py: the comm ledger's count)."""
+    heads = model_heads(module)
+    exchanged = None if heads is None or not seq_len else \
+        all_to_all_bytes(heads, micro_batch, seq_len, sequence_parallel, DTYPES[dtype]).as_dict()
+    return {"sequence_parallel": sequence_parallel, "all_to_all_bytes": exchanged}
+
+
+def longest_trainable_sequence(work: Workload, strategy: StrategySpec, world_size: int, sp_size: int, budget_bytes: int,
+                               activation_checkpointing: str = "blocks", micro_batch: int = 1, granule: int = 1024,
+                               start: int | None = None) -> Longest:
+    """The longest sequence (a multiple of `granule` tokens) one rank of `world_size` trains `work` in
+    within `budget_bytes` of device memory with `strategy` (a StrategySpec), Ulysses over `sp_size`
+    ranks and this checkpointing policy: zerodp/plan/sequence.py's `longest_sequence` over simulated peaks,
+    starting at `start` tokens (default 8192 x sp_size, where the sequence's bytes already dominate)."""
+    def peak(seq_len: int) -> int:
+        sim = simulate_strategy(work, strategy, world_size, micro_batch, seq_len, activation_checkpointing,
+                                sequence_parallel=sp_size)
+        return sim.peak[DEVICE].bytes
+
+    return longest_sequence(peak, budget_bytes, granule, start or 8 * granule * sp_size)

@@ -59,6 +59,7 @@ class Candidate:
     time: StepTime
     comm_bytes: int
     zero: dict = field(default_factory=dict)
+    sequence_parallel: int = 1  # ranks per sequence (Ulysses; zerodp/plan/sequence.py)
 
     def describe(self) -> str:
         ckpt = "" if self.activation_checkpointing == "none" else f", {self.activation_checkpointing} checkpointed"
@@ -69,6 +70,8 @@ class Candidate:
         config = strategy_config(self.strategy, self.micro_batch, self.accumulation)
         config["train_batch_size"] = global_batch
         config["zero_optimization"].update(self.zero)
+        if self.sequence_parallel > 1:
+            config["sequence_parallel_size"] = self.sequence_parallel
         for key in ("offload_optimizer", "offload_param"):
             section = config["zero_optimization"].get(key)
             if section and section["device"] == "nvme":
@@ -82,7 +85,7 @@ class Candidate:
                 "micro_batch": self.micro_batch, "gradient_accumulation_steps": self.accumulation,
                 "peak_bytes": self.peak_bytes, "host_peak_bytes": self.host_peak_bytes,
                 "comm_bytes": self.comm_bytes, "step_seconds": self.time.as_dict(), "strategy": self.describe(),
-                "zero_optimization": dict(self.zero)}
+                "zero_optimization": dict(self.zero), "sequence_parallel": self.sequence_parallel}
 
 
 @dataclass
@@ -95,11 +98,17 @@ class Plan:
     candidates: list[Candidate]
     left_out: list[dict]  # {"strategy", "activation_checkpointing", "why"}
     simulations: int = 0
+    sequence_parallel: int = 1  # ranks per sequence of every candidate
+    sequence_note: str = ""  # why sequence parallelism was proposed (or tried in vain); "" when not
 
     def why(self) -> str:
-        """One line: why the first candidate beats the second."""
+        """One line: why the first candidate beats the second (and why the sequence is split, when it is)."""
+        note = f"{self.sequence_note}; " if self.sequence_note else ""
         if not self.candidates:
-            return "nothing fits: " + "; ".join(f"{x['strategy']}: {x['why']}" for x in self.left_out[:3])
+            return note + "nothing fits: " + "; ".join(f"{x['strategy']}: {x['why']}" for x in self.left_out[:3])
+        return note + self._why_first()
+
+    def _why_first(self) -> str:
         best = self.candidates[0]
         head = (f"{best.describe()} fits at micro-batch {best.micro_batch} (peak {decimal_size(best.peak_bytes)} "
                 f"of {decimal_size(self.cluster.usable_bytes)} usable)")
@@ -165,12 +174,16 @@ def _dominators(s: StrategySpec, policy: str) -> list[tuple[StrategySpec, str]]:
 
 def plan(work: Workload, cluster: Cluster, seq_len: int, global_batch: int, dtype: str = "bf16",
          policies: tuple[str, ...] = ("none", "blocks"), exhaustive: bool = False,
-         progress: Callable[[str], None] | None = None, initialize: EngineFactory | None = None) -> Plan:
+         progress: Callable[[str], None] | None = None, initialize: EngineFactory | None = None,
+         sequence_parallel: int = 1) -> Plan:
     """Search the configs that fit `cluster` for `work` at `seq_len` tokens and `global_batch`
     samples per optimizer step (a multiple of the world size; ValueError otherwise), ranked by
     predicted step time. `exhaustive`: simulate dominated candidates too (the planner bench measures
     every candidate). `progress(line)` hears of each simulation. `initialize` builds the simulated
-    engines (default: zerodp.initialize; zerodp/plan/engines.py)."""
+    engines (default: zerodp.initialize; zerodp/plan/engines.py). `sequence_parallel` S: every
+    candidate splits each sequence over S ranks (Ulysses); at 1, when nothing fits but some strategy's
+    model states do, the sequence is what does not fit, and the plan tries S = 2, 4, 8, ... (sizes the
+    ranks and the model's heads take) and returns the smallest that fits (`sequence_note` says why)."""
     world = cluster.world_size
     if global_batch % world:
         raise ValueError(f"--global-batch {global_batch}: not a multiple of the {world} ranks "
@@ -179,8 +192,9 @@ def plan(work: Workload, cluster: Cluster, seq_len: int, global_batch: int, dtyp
     if not work.feeds(module):
         raise ValueError(f"MODEL {work.spec!r}: its input is unknown (not a causal LM, no estimate_inputs), so its "
                          "activations cannot be simulated")
-    search = _Search(work, module, cluster, seq_len, global_batch // world, dtype, progress or (lambda line: None),
-                     initialize)
+    _check_sequence_parallel(sequence_parallel, cluster, module, work.spec, seq_len)
+    search = _Search(work, module, cluster, seq_len, global_batch * sequence_parallel // world, dtype,
+                     progress or (lambda line: None), initialize, sequence_parallel)
     reached: set[tuple[StrategySpec, str]] = set()
     left_out: list[dict] = []
     found: list[Candidate] = []
@@ -205,7 +219,56 @@ def plan(work: Workload, cluster: Cluster, seq_len: int, global_batch: int, dtyp
             if result.micro_batch == search.per_rank:
                 reached.add((s, policy))
     found.sort(key=lambda c: c.time.total)
-    return Plan(cluster, seq_len, global_batch, found, left_out, search.simulations)
+    result = Plan(cluster, seq_len, global_batch, found, left_out, search.simulations, sequence_parallel)
+    if not found and sequence_parallel == 1 and search.too_long:
+        return _split_the_sequence(result, work, module, search.too_long, policies, dtype, exhaustive, progress,
+                                   initialize)
+    return result
+
+
+def _check_sequence_parallel(sp: int, cluster: Cluster, module: "torch.nn.Module", model: str, seq_len: int) -> None:
+    """ValueError naming --sequence-parallel when the ranks, the model's heads or the sequence do not take `sp`."""
+    from zerodp.plan.sequence import model_heads, sequence_parallel_problems
+
+    problems = sequence_parallel_problems(sp, cluster.world_size, model_heads(module), model,
+                                          f"the {{}} ranks (--gpus-per-node {cluster.gpus_per_node} x --nodes {cluster.nodes})")
+    if seq_len % sp:
+        problems.append(f"--seq-len {seq_len} does not divide by --sequence-parallel {sp}; use {seq_len + -seq_len % sp}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _split_the_sequence(unsplit: Plan, work: Workload, module: "torch.nn.Module", too_long: list[tuple],
+                        policies: tuple[str, ...], dtype: str, exhaustive: bool,
+                        progress: Callable[[str], None] | None, initialize: EngineFactory | None) -> Plan:
+    """Nothing fits at S = 1, though the model states of the strategies in `too_long` (describe, policy,
+    model-state bytes, peak at micro-batch 1) do: plan with S = 2, 4, 8, ... and return the first plan
+    that fits, saying why; else `unsplit`, saying which sizes were tried."""
+    from zerodp.plan.sequence import model_heads, sequence_parallel_sizes
+
+    c, seq_len = unsplit.cluster, unsplit.seq_len
+    strategy, policy, states, peak = min(too_long, key=lambda t: t[3])
+    why = (f"the sequence, not the model, does not fit: {strategy} ({policy} checkpointed) holds "
+           f"{decimal_size(states)} of model states, but one sequence of {seq_len} tokens peaks at "
+           f"{decimal_size(peak)} of {decimal_size(c.usable_bytes)} usable")
+    heads = model_heads(module)
+    sizes = [] if heads is None else [s for s in sequence_parallel_sizes(c.world_size, heads) if seq_len % s == 0]
+    simulations = unsplit.simulations
+    for size in sizes:
+        (progress or (lambda line: None))(f"{why}: trying sequence parallel {size}")
+        split = plan(work, c, seq_len, unsplit.global_batch, dtype, policies, exhaustive, progress, initialize, size)
+        simulations += split.simulations
+        if split.candidates:
+            split.simulations = simulations
+            smaller = sizes[:sizes.index(size)]
+            split.sequence_note = (f"{why}; sequence_parallel_size {size} (Ulysses: each rank holds {seq_len // size} "
+                                   "of the tokens) is the smallest that fits" + (f" ({smaller} do not)" if smaller else ""))
+            return split
+    unsplit.simulations = simulations
+    unsplit.sequence_note = f"{why}; sequence parallelism {sizes} did not fit either" if sizes else \
+        f"{why}; no sequence_parallel_size splits it (the ranks and heads take none of 2, 4, 8, ..., or the model is " \
+        "not a Hugging Face model)"
+    return unsplit
 
 
 def _left(s: StrategySpec, policy: str, why: str) -> dict:
@@ -225,7 +288,9 @@ class _Search:
     dtype: str
     say: Callable[[str], None]
     initialize: EngineFactory | None = None  # builds the simulated engines
+    sp: int = 1  # ranks per sequence (Ulysses)
     simulations: int = 0
+    too_long: list = field(default_factory=list)  # (strategy, policy, model states, peak): states fit, micro-batch 1 not
     _sims: dict = field(default_factory=dict)
     _flops: dict = field(default_factory=dict)
 
@@ -265,6 +330,7 @@ class _Search:
                 high = mid - 1
         if best is None:
             sim = self._simulate(s, policy, options[0])
+            self.too_long.append((s.describe(), policy, states.bytes(DEVICE), sim.peak[DEVICE].bytes))
             return f"micro-batch 1 peaks at {decimal_size(sim.peak[DEVICE].bytes)} of {decimal_size(c.usable_bytes)}"
         return self._candidate(s, policy, best)
 
@@ -289,7 +355,7 @@ class _Search:
             try:
                 self._sims[key] = simulate_strategy(self.work, s, self.cluster.world_size, micro_batch, self.seq_len,
                                                     policy, device, accumulation=accumulation, zero=zero,
-                                                    initialize=self.initialize)
+                                                    initialize=self.initialize, sequence_parallel=self.sp)
             except ValueError:
                 raise
             except Exception as err:  # noqa: BLE001 - the model's own code under fake tensors
@@ -297,10 +363,11 @@ class _Search:
         return self._sims[key]
 
     def flops(self, policy: str, micro_batch: int) -> float:
-        """FLOPs of one micro-batch's forward and backward (recomputation included), counted on meta."""
+        """FLOPs of one micro-batch's forward and backward (recomputation included), counted on meta; with
+        S ranks per sequence each does 1/S of them ([Note: the estimator's sequence parallelism])."""
         key = (policy, micro_batch)
         if key not in self._flops:
-            self._flops[key] = count_flops(self.work, micro_batch, self.seq_len, policy)
+            self._flops[key] = count_flops(self.work, micro_batch, self.seq_len, policy) / self.sp
         return self._flops[key]
 
     def lower_bound(self, s: StrategySpec, policy: str) -> float:
@@ -324,7 +391,7 @@ class _Search:
         nvme = "nvme" in (s.offload_optimizer, s.offload_param)
         return Candidate(s, policy, micro_batch, accumulation, sim.peak[DEVICE].bytes,
                          None if nvme else sim.peak[CPU].bytes, step_time(work, self.cluster),
-                         int(sum(comm_bytes.values())), bucket_sizes(self.numel))
+                         int(sum(comm_bytes.values())), bucket_sizes(self.numel), self.sp)
 
 
 def count_flops(work: Workload, micro_batch: int, seq_len: int, policy: str = "none") -> float:

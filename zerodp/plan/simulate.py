@@ -324,20 +324,31 @@ def train_steps(engine: Any, batch: Any, steps: int, enter: Any = None) -> None:
 def simulate_strategy(work: "Workload", strategy: StrategySpec, world_size: int, micro_batch: int, seq_len: int,
                       activation_checkpointing: str = "none", device: str = "meta", rank: int = 0,
                       accumulation: int = 1, zero: dict | None = None,
-                      initialize: EngineFactory | None = None) -> Simulation:
+                      initialize: EngineFactory | None = None, sequence_parallel: int = 1) -> Simulation:
     """Simulate `strategy` training `work` (zerodp/plan/workload.py) at this micro-batch and sequence
     length, with activation checkpointing "none", "blocks" (every repeated block) or "selective"
     (blocks, keeping matmul and attention outputs), `accumulation` micro-batches per step (default 1)
     and `zero`'s zero_optimization keys on top (bucket sizes). NVMe offload runs as CPU offload: the
-    device runs the same code either way; what differs is in host memory and files, which the ledger gives."""
+    device runs the same code either way; what differs is in host memory and files, which the ledger gives.
+    `sequence_parallel` S > 1: Ulysses over S of the `world_size` ranks, the rank holding its S-th of
+    the sequence (zerodp/plan/sequence.py; a Hugging Face model whose heads S splits)."""
+    from zerodp.plan.sequence import sharded_inputs, simulated_ulysses
+
     if work.inputs is None:
         raise ValueError(f"MODEL {work.spec!r}: its input is unknown (not a causal LM), so its activations cannot be "
                          "estimated")
-    def prepare(model: torch.nn.Module) -> None:
-        if activation_checkpointing != "none":
-            checkpointing.apply(model, "blocks", selective=activation_checkpointing == "selective")
-
     config = strategy_config(strategy.device_twin(), micro_batch, accumulation)
     config["zero_optimization"].update(zero or {})
-    return simulate_training(work.build, config, lambda m, dev: work.inputs(m, micro_batch, seq_len, dev),
-                             world_size, rank, device, prepare=prepare, initialize=initialize)
+    batch = lambda m, dev: work.inputs(m, micro_batch, seq_len, dev)  # noqa: E731
+    if sequence_parallel > 1:
+        config["sequence_parallel_size"] = sequence_parallel
+        batch = sharded_inputs(work, micro_batch, seq_len, sequence_parallel)
+    with simulated_ulysses(sequence_parallel) as ulysses:
+        def prepare(model: torch.nn.Module) -> None:
+            if activation_checkpointing != "none":
+                checkpointing.apply(model, "blocks", selective=activation_checkpointing == "selective")
+            if sequence_parallel > 1:
+                ulysses(model)
+
+        return simulate_training(work.build, config, batch, world_size, rank, device, prepare=prepare,
+                                 initialize=initialize)
