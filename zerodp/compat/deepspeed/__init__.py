@@ -17,7 +17,7 @@ from _zerodp_as_deepspeed import DEEPSPEED_API_VERSION, version
 
 import zerodp
 from zerodp.compat.deepspeed import (accelerator, checkpoint, comm, compression, git_version_info, launcher, moe,
-                                     ops, runtime, utils)
+                                     ops, pipe, runtime, utils)
 from zerodp.compat.deepspeed._missing import missing_attributes
 from zerodp.compat.deepspeed.accelerator import get_accelerator
 from zerodp.compat.deepspeed.comm import init_distributed
@@ -44,5 +44,5 @@ __version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPS
 
 __all__ = ["DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "__version__", "accelerator", "add_config_arguments",
            "checkpoint", "checkpointing", "comm", "compression", "get_accelerator", "git_version_info",
-           "init_distributed", "initialize", "launcher", "logger", "moe", "ops", "runtime", "utils", "zero"]
+           "init_distributed", "initialize", "launcher", "logger", "moe", "ops", "pipe", "runtime", "utils", "zero"]
 __getattr__ = missing_attributes(__name__)
