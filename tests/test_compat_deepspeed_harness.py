@@ -109,3 +109,19 @@ def test_small_helpers() -> None:
         required_torch_version()
     assert get_model_ckpt_name_for_rank("ckpt/global_step0", "00") == "ckpt/global_step0/mp_rank_00_model_states.pt"
     assert leaf_module_config.DEFAULT_LEAF_MODULE_CLASSES == LeafModuleConfig().classes
+
+
+def test_deepspeed_spellings_zerodp_reads_the_same() -> None:
+    from zerodp.compat.deepspeed.runtime.config import DeepSpeedConfig
+    from zerodp.compat.deepspeed.runtime.utils import call_to_str
+
+    assert leaf_module_config.DeepSpeedZeroLeafModuleConfig(name_suffixes="tail").name_suffixes == ["tail"]
+    assert call_to_str("f") == "f()" and call_to_str("hello", 1138, "x", val=3) == "hello(1138, 'x', val=3)"
+    assert DeepSpeedConfig({"train_batch_size": 1}, mpu=_OneRank()).gradient_allreduce_op == "mean"
+
+
+class _OneRank:
+    """A model-parallel unit of one data-parallel rank (so DeepSpeedConfig needs no torch.distributed)."""
+
+    def get_data_parallel_world_size(self) -> int:
+        return 1

@@ -241,12 +241,20 @@ class OffloadOptimizerConfig(Section):
         return self.pipeline_read or self.pipeline_write
 
 
+def _one_name_is_a_list(value: Any) -> Any:
+    """DeepSpeed reads a single string in a leaf_module list as a list of that one name."""
+    return [value] if isinstance(value, str) else value
+
+
+_Names = Annotated[list[str], BeforeValidator(_one_name_is_a_list)]
+
+
 class LeafModuleConfig(Section):
     """`zero_optimization.leaf_module`: modules stage 3 gathers as one unit (no inner hooks)."""
 
-    classes: list[str] = Field(default_factory=list)
-    names: list[str] = Field(default_factory=list)
-    name_suffixes: list[str] = Field(default_factory=list)
+    classes: _Names = Field(default_factory=list)
+    names: _Names = Field(default_factory=list)
+    name_suffixes: _Names = Field(default_factory=list)
 
 
 class ZeroConfig(Section):

@@ -37,7 +37,7 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _SAME_NAMES = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
                "gradient_clipping", "prescale_gradients", "gradient_predivide_factor", "memory_breakdown",
                "dataloader_drop_last", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-               "disable_allgather", "dump_state")
+               "disable_allgather", "dump_state", "gradient_allreduce_op")
 """Attributes DeepSpeed's config has under the config key's own name."""
 _SECTIONS = {"zero_config": "zero_optimization", "float16_config": "fp16", "bfloat16_config": "bf16",
              "activation_checkpointing_config": "activation_checkpointing", "flops_profiler_config": "flops_profiler",
