@@ -15,6 +15,7 @@ DeepSpeedZeroConfig` is; a problem there is a ValueError). The mapping is DeepSp
                                                 the offload sections that do not set it (the evident intent)
 
 An old key given together with its new key is a problem (DeepSpeed: an AssertionError), not a guess.
+Also here: `one_name_is_a_list`, DeepSpeed's older short form of a list of names.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ def _upgrade_cpu_offload(raw: dict[str, Any], path: str, old: str, new: str, rep
                   f"'{join_path(path, new)}': {{\"device\": \"cpu\"}}")
         if value:
             raw[new] = {"device": "cpu"}
+
+
+def one_name_is_a_list(value: Any) -> Any:
+    """DeepSpeed's short form of a list of names (zero_optimization.leaf_module): one string is a list of
+    that one name."""
+    return [value] if isinstance(value, str) else value
 
 
 def upgrade_for_model(renamed: Mapping[str, str], raw: Any, upgrade: Any = None) -> Any:

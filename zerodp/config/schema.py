@@ -26,7 +26,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional
 from pydantic import (AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
                       model_validator)
 
-from zerodp.config.deprecated import upgrade_for_model, upgrade_zero_keys
+from zerodp.config.deprecated import one_name_is_a_list, upgrade_for_model, upgrade_zero_keys
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,17 +236,11 @@ class OffloadOptimizerConfig(Section):
 
     @property
     def pipeline(self) -> bool:
-        """DeepSpeed's derived attribute: NVMe reads or writes overlap the step (pipeline_read or
-        pipeline_write). Read-only; DeepSpeed 0.19.8 does not accept it as a key either."""
+        """DeepSpeed's read-only attribute (not a key there either): pipeline_read or pipeline_write."""
         return self.pipeline_read or self.pipeline_write
 
 
-def _one_name_is_a_list(value: Any) -> Any:
-    """DeepSpeed reads a single string in a leaf_module list as a list of that one name."""
-    return [value] if isinstance(value, str) else value
-
-
-_Names = Annotated[list[str], BeforeValidator(_one_name_is_a_list)]
+_Names = Annotated[list[str], BeforeValidator(one_name_is_a_list)]
 
 
 class LeafModuleConfig(Section):
