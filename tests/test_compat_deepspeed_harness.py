@@ -125,3 +125,24 @@ class _OneRank:
 
     def get_data_parallel_world_size(self) -> int:
         return 1
+
+
+def _empty_partition_cache(rank: int, world: int) -> tuple:
+    from tests.models import make_model, train_steps
+    from zerodp.compat import deepspeed as ds
+
+    model = make_model()
+    engine, *_ = ds.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                               config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}})
+    train_steps(engine, rank, range(1))
+    steps = engine.global_steps
+    result = engine.empty_partition_cache()
+    train_steps(engine, rank, range(1, 2))  # training goes on after it
+    return result, engine.global_steps - steps
+
+
+def test_engines_from_deepspeed_initialize_have_empty_partition_cache() -> None:
+    from tests.harness import run_ranks
+
+    [(result, steps)] = run_ranks(_empty_partition_cache, 1, timeout=120)
+    assert result is None and steps > 0

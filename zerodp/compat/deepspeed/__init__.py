@@ -36,6 +36,7 @@ def initialize(*args, **kwargs) -> tuple:
     engine, *rest = zerodp.initialize(*args, **kwargs)
     engine.count_activations = engine.config.memory_breakdown  # DeepSpeed's autograd, unless asked
     parameter_offload.attach(engine)
+    runtime.engine.attach(engine)
     return (engine, *rest)
 
 
