@@ -161,6 +161,13 @@ def source_revision(src: Path) -> str:
     return f"DeepSpeed {version}" + (f" at {commit}" if commit else "")
 
 
+def _installed_deepspeed(python: str) -> str:
+    """The version of the DeepSpeed `python` imports (the tests' version.txt may differ from it)."""
+    probe = subprocess.run([python, "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "ZERODP_AS_DEEPSPEED": "0", "DS_ACCELERATOR": "cpu"})
+    return probe.stdout.strip().splitlines()[-1] if probe.returncode == 0 and probe.stdout.strip() else "?"
+
+
 def render(rows: list[ModuleResult]) -> str:
     """The per-module table (Markdown) and the totals."""
     lines = ["| module | collected | passed | failed | errors | skipped | first error |", "|---|---|---|---|---|---|---|"]
@@ -196,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{module}: {r.collected} collected, {r.passed} passed, {r.failed} failed, {r.errors} errors, "
               f"{r.skipped} skipped ({r.seconds} s{', timed out' if r.timed_out else ''})"
               f"{'; ' + r.first_error if r.first_error else ''}", flush=True)
-    runs_on = "a real DeepSpeed" if args.real_deepspeed else f"zerodp at {REPO}"
-    print(f"\n{source_revision(args.deepspeed_src)}, run on {runs_on}\n")
+    runs_on = f"DeepSpeed {_installed_deepspeed(args.python)}" if args.real_deepspeed else f"zerodp at {REPO}"
+    print(f"\nthe tests of {source_revision(args.deepspeed_src)}, run on {runs_on}\n")
     print(render(rows))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))

@@ -146,3 +146,22 @@ def test_engines_from_deepspeed_initialize_have_empty_partition_cache() -> None:
 
     [(result, steps)] = run_ranks(_empty_partition_cache, 1, timeout=120)
     assert result is None and steps > 0
+
+
+def test_the_bench_counts_what_finished_in_a_module_killed_at_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "deepspeed_unit_tests.py"
+    spec = importlib.util.spec_from_file_location("deepspeed_unit_tests", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclass looks its module up there
+    spec.loader.exec_module(bench)
+    output = ("unit/a.py::TestX::test[1-True] \x1b[32mPASSED\x1b[0m [  1%]\n"
+              "unit/a.py::TestX::test[2-False] FAILED [  2%]\n"
+              "unit/a.py::test_y SKIPPED (2 ranks) [  3%]\n"
+              "unit/a.py::test_z ERROR [  4%]\n"
+              "unit/a.py::test_w ")  # the test running when the module was killed
+    result = bench.parse_verbose(output, "unit/a.py")
+    assert (result.collected, result.passed, result.failed, result.errors, result.skipped) == (4, 1, 1, 1, 1)
