@@ -104,6 +104,9 @@ def test_deepspeeds_internal_optimizers_exist_by_name_only(cls: type) -> None:
 
 
 def test_small_helpers() -> None:
+    from zerodp.compat import deepspeed as ds
+
+    assert ds.__git_hash__ == ds.__git_branch__ == "[none]"  # DeepSpeed's value for a build outside git
     assert required_torch_version(min_version="1.0") and not required_torch_version(max_version="1.0")
     with pytest.raises(ValueError, match="give min_version, max_version or both"):
         required_torch_version()

@@ -41,9 +41,12 @@ def initialize(*args, **kwargs) -> tuple:
 
 
 __version__ = version()
+__git_hash__ = git_version_info.git_hash
+__git_branch__ = git_version_info.git_branch
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPSPEED_API_VERSION.split("."))
 
-__all__ = ["DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "__version__", "accelerator", "add_config_arguments",
-           "checkpoint", "checkpointing", "comm", "compression", "get_accelerator", "git_version_info",
-           "init_distributed", "initialize", "launcher", "logger", "moe", "ops", "pipe", "runtime", "utils", "zero"]
+__all__ = ["DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "__git_branch__", "__git_hash__", "__version__",
+           "accelerator", "add_config_arguments", "checkpoint", "checkpointing", "comm", "compression", "get_accelerator",
+           "git_version_info", "init_distributed", "initialize", "launcher", "logger", "moe", "ops", "pipe", "runtime",
+           "utils", "zero"]
 __getattr__ = missing_attributes(__name__)
