@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,6 +63,7 @@ class ModuleResult:
     skipped: int = 0
     seconds: float = 0.0
     first_error: str = ""
+    timed_out: bool = False
 
 
 def _first_line(text: str | None) -> str:
@@ -95,28 +98,55 @@ def parse_junit(path: Path, module: str) -> ModuleResult:
     return result
 
 
+def _run_pytest(command: list[str], cwd: Path, env: dict[str, str], timeout_s: int) -> tuple[str, bool]:
+    """Run pytest in a session of its own; at the timeout kill the whole session (DeepSpeed's harness
+    starts worker pools that an interrupt can leave waiting). Returns (output, timed_out)."""
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as proc:
+        try:
+            return proc.communicate(timeout=timeout_s)[0], False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.communicate()[0] or "", True
+
+
+_VERBOSE_OUTCOME = re.compile(r"::\S.*? (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def parse_verbose(output: str, module: str) -> ModuleResult:
+    """The counts of the tests that finished, from pytest's -v lines (`path::test PASSED [ 3%]`): what
+    is left of a module killed at its timeout, which writes no junit XML."""
+    result = ModuleResult(module)
+    for outcome in _VERBOSE_OUTCOME.findall(re.sub(r"\x1b\[[0-9;]*m", "", output)):
+        result.collected += 1
+        field = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors"}.get(outcome, "skipped")
+        setattr(result, field, getattr(result, field) + 1)
+    return result
+
+
 def run_module(tests_dir: Path, module: str, timeout_s: int, python: str = sys.executable,
                on_zerodp: bool = True) -> ModuleResult:
     """One DeepSpeed test module in its own pytest process: on zerodp (the switch on), or with
-    `on_zerodp=False` on the DeepSpeed that `python` imports (the reference column)."""
+    `on_zerodp=False` on the DeepSpeed that `python` imports (the reference column). A module that
+    runs past `timeout_s` counts the tests that finished (collected: those that ran) and says so."""
     env = {**os.environ, "ZERODP_AS_DEEPSPEED": "1" if on_zerodp else "0", "DS_ACCELERATOR": "cpu"}
     if on_zerodp:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        command = ["nice", "-n", "10", python, "-m", "pytest", module, "-q", "-p", "no:cacheprovider",
+        command = ["nice", "-n", "10", python, "-m", "pytest", module, "-v", "--color=no", "-p", "no:cacheprovider",
                    f"--junitxml={junit}", "-o", "junit_family=xunit1"]
         start = time.monotonic()
-        try:
-            completed = subprocess.run(command, cwd=tests_dir, env=env, capture_output=True, text=True,
-                                       timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return ModuleResult(module, seconds=timeout_s, first_error=f"timed out after {timeout_s} s")
-        seconds = time.monotonic() - start
-        if not junit.exists():
-            return ModuleResult(module, seconds=seconds, first_error=_first_line(completed.stdout + completed.stderr))
-        result = parse_junit(junit, module)
-    result.seconds = round(seconds, 1)
+        output, timed_out = _run_pytest(command, tests_dir, env, timeout_s)
+        seconds = round(time.monotonic() - start, 1)
+        if timed_out:
+            result = parse_verbose(output, module)
+            result.first_error = f"timed out after {timeout_s} s"
+        elif not junit.exists():
+            return ModuleResult(module, seconds=seconds, first_error=_first_line(output))
+        else:
+            result = parse_junit(junit, module)
+    result.seconds, result.timed_out = seconds, timed_out
     return result
 
 
@@ -131,11 +161,19 @@ def source_revision(src: Path) -> str:
     return f"DeepSpeed {version}" + (f" at {commit}" if commit else "")
 
 
+def _installed_deepspeed(python: str) -> str:
+    """The version of the DeepSpeed `python` imports (the tests' version.txt may differ from it)."""
+    probe = subprocess.run([python, "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "ZERODP_AS_DEEPSPEED": "0", "DS_ACCELERATOR": "cpu"})
+    return probe.stdout.strip().splitlines()[-1] if probe.returncode == 0 and probe.stdout.strip() else "?"
+
+
 def render(rows: list[ModuleResult]) -> str:
     """The per-module table (Markdown) and the totals."""
     lines = ["| module | collected | passed | failed | errors | skipped | first error |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| `{r.module}` | {r.collected} | {r.passed} | {r.failed} | {r.errors} | {r.skipped} | "
+        partial = f" (timed out after {r.seconds:.0f} s: the tests that ran)" if r.timed_out and r.collected else ""
+        lines.append(f"| `{r.module}`{partial} | {r.collected} | {r.passed} | {r.failed} | {r.errors} | {r.skipped} | "
                      f"{r.first_error.replace('|', '/')} |")
     total = {k: sum(getattr(r, k) for r in rows) for k in ("collected", "passed", "failed", "errors", "skipped")}
     lines.append(f"| **{len(rows)} modules** | {total['collected']} | {total['passed']} | {total['failed']} | "
@@ -163,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_module(tests_dir, module, args.timeout, args.python, not args.real_deepspeed))
         r = rows[-1]
         print(f"{module}: {r.collected} collected, {r.passed} passed, {r.failed} failed, {r.errors} errors, "
-              f"{r.skipped} skipped ({r.seconds} s){'; ' + r.first_error if r.first_error else ''}", flush=True)
-    runs_on = "a real DeepSpeed" if args.real_deepspeed else f"zerodp at {REPO}"
-    print(f"\n{source_revision(args.deepspeed_src)}, run on {runs_on}\n")
+              f"{r.skipped} skipped ({r.seconds} s{', timed out' if r.timed_out else ''})"
+              f"{'; ' + r.first_error if r.first_error else ''}", flush=True)
+    runs_on = f"DeepSpeed {_installed_deepspeed(args.python)}" if args.real_deepspeed else f"zerodp at {REPO}"
+    print(f"\nthe tests of {source_revision(args.deepspeed_src)}, run on {runs_on}\n")
     print(render(rows))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))

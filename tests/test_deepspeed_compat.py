@@ -78,7 +78,7 @@ def test_an_unknown_switch_value_is_named_and_changes_nothing() -> None:
 def test_what_zerodp_lacks_is_named_as_deepspeed_s_path() -> None:
     out = _python("""
         import deepspeed
-        for stmt in ("from deepspeed.utils import nvtx", "import deepspeed.pipe",
+        for stmt in ("from deepspeed.utils import nvtx", "import deepspeed.inference",
                      "import deepspeed.runtime.sequence_parallel.ulysses_sp_v2",
                      "deepspeed.PipelineModule", "deepspeed.ops.lion", "deepspeed.get_accelerator().lazy_call"):
             try:
@@ -90,7 +90,7 @@ def test_what_zerodp_lacks_is_named_as_deepspeed_s_path() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "ModuleNotFoundError deepspeed.utils.nvtx is not provided by zerodp",
-        "ModuleNotFoundError deepspeed.pipe is not provided by zerodp",
+        "ModuleNotFoundError deepspeed.inference is not provided by zerodp",
         "ModuleNotFoundError deepspeed.runtime.sequence_parallel.ulysses_sp_v2 is not provided by zerodp",
         "AttributeError deepspeed.PipelineModule is not provided by zerodp",
         "AttributeError deepspeed.ops.lion is not provided by zerodp",

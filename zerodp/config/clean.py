@@ -15,6 +15,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+from zerodp.config.deprecated import upgrade_zero_keys
 from zerodp.config.errors import Report, join_path
 from zerodp.config.hf_auto import AUTO_IS_A_VALUE, holds_auto
 from zerodp.config.rules import show_value
@@ -186,26 +187,10 @@ def _nest_dotted_keys(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _upgrade_zero(raw: dict[str, Any], path: str, report: Report) -> dict[str, Any]:
-    """cpu_offload / cpu_offload_param / cpu_offload_use_pin_memory -> the offload sections; below
-    stage 3, "auto" in a stage3_ key is dropped (see _drop_stage3_autos)."""
-    raw = _drop_stage3_autos(dict(raw))
-    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
-        if old in raw:
-            _upgrade_cpu_offload(raw, path, old, new, report)
-    if "cpu_offload_use_pin_memory" in raw:
-        where = join_path(path, "cpu_offload_use_pin_memory")
-        value = raw.pop("cpu_offload_use_pin_memory")
-        if not isinstance(value, bool):
-            report.add(where, f"got {show_value(value)}; expected true or false")
-            return raw
-        warn_once(f"DeepSpeed config key '{where}' is deprecated; set pin_memory in "
-                  "offload_optimizer / offload_param")
-        # DeepSpeed 0.19.8 only warns about this key and ignores its value; zerodp applies it
-        # to the offload sections that do not set pin_memory themselves (the user's evident intent).
-        for new in ("offload_optimizer", "offload_param"):
-            if isinstance(raw.get(new), dict) and "pin_memory" not in raw[new]:
-                raw[new] = {**raw[new], "pin_memory": value}
-    return raw
+    """cpu_offload / cpu_offload_param / cpu_offload_use_pin_memory -> the offload sections
+    (zerodp/config/deprecated.py); below stage 3, "auto" in a stage3_ key is dropped (see
+    _drop_stage3_autos)."""
+    return upgrade_zero_keys(_drop_stage3_autos(dict(raw)), path, report)
 
 
 def _drop_stage3_autos(raw: dict[str, Any]) -> dict[str, Any]:
@@ -217,20 +202,6 @@ def _drop_stage3_autos(raw: dict[str, Any]) -> dict[str, Any]:
         return raw
     return {key: value for key, value in raw.items()
             if not (isinstance(key, str) and key.startswith("stage3_") and value == "auto")}
-
-
-def _upgrade_cpu_offload(raw: dict[str, Any], path: str, old: str, new: str, report: Report) -> None:
-    where = join_path(path, old)
-    value = raw.pop(old)
-    if not isinstance(value, bool):
-        report.add(where, f"got {show_value(value)}; expected true or false")
-    elif new in raw:
-        report.add(where, f"deprecated and given together with '{join_path(path, new)}'; keep only {new}")
-    else:
-        warn_once(f"DeepSpeed config key '{where}' is deprecated; use "
-                  f"'{join_path(path, new)}': {{\"device\": \"cpu\"}}")
-        if value:
-            raw[new] = {"device": "cpu"}
 
 
 _LEGACY_UPGRADES: dict[type[Section], Callable[[dict[str, Any], str, Report], dict[str, Any]]] = {

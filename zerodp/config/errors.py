@@ -6,6 +6,7 @@ of them (see [Note: order of checks] in zerodp/config/load.py).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -56,3 +57,12 @@ class Report:
         """False if any of `paths`, a key inside one, or a section holding one failed."""
         return not any(f == p or f.startswith(p + ".") or p.startswith(f + ".")
                        for f in self.failed for p in paths)
+
+
+def show_value(value: Any) -> str:
+    """A value as the user wrote it in JSON (true, null, "abc"), shortened if long."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -5,25 +5,16 @@ the wrong stage, keys zerodp does not support)."""
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from zerodp.config.errors import show_value  # noqa: F401 (imported from here by the other config modules)
 from zerodp.config.schema import ZeroDPConfig
 
 # ---------------------------------------------------------------------------------------------
 # Messages
 # ---------------------------------------------------------------------------------------------
-
-
-def show_value(value: Any) -> str:
-    """A value as the user wrote it in JSON (true, null, "abc"), shortened if long."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def did_you_mean(word: str, candidates: list[str]) -> str | None:

@@ -23,7 +23,10 @@ from __future__ import annotations
 import sys
 from typing import Annotated, Any, ClassVar, Literal, Optional
 
-from pydantic import AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
+from pydantic import (AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
+                      model_validator)
+
+from zerodp.config.deprecated import one_name_is_a_list, upgrade_for_model, upgrade_zero_keys
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +107,12 @@ class Section(BaseModel):
     removed_keys: ClassVar[dict[str, tuple[str, str]]] = {}
     deepspeed_ignores_unknown: ClassVar[bool] = False
     own_section: ClassVar[bool] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_names(cls, data: Any) -> Any:
+        """A section built directly (not by load_config) takes its deprecated names too."""
+        return upgrade_for_model(cls.renamed_keys, data)
 
 
 def _short_name(field: str) -> Any:
@@ -225,13 +234,21 @@ class OffloadOptimizerConfig(Section):
     convert_grad_on_cpu: bool = True
     cpuadam_cores_perc: float = Field(0.8, ge=0, le=1)
 
+    @property
+    def pipeline(self) -> bool:
+        """DeepSpeed's read-only attribute (not a key there either): pipeline_read or pipeline_write."""
+        return self.pipeline_read or self.pipeline_write
+
+
+_Names = Annotated[list[str], BeforeValidator(one_name_is_a_list)]
+
 
 class LeafModuleConfig(Section):
     """`zero_optimization.leaf_module`: modules stage 3 gathers as one unit (no inner hooks)."""
 
-    classes: list[str] = Field(default_factory=list)
-    names: list[str] = Field(default_factory=list)
-    name_suffixes: list[str] = Field(default_factory=list)
+    classes: _Names = Field(default_factory=list)
+    names: _Names = Field(default_factory=list)
+    name_suffixes: _Names = Field(default_factory=list)
 
 
 class ZeroConfig(Section):
@@ -324,6 +341,12 @@ class ZeroConfig(Section):
     module_granularity_threshold = _short_name("stage3_module_granularity_threshold")
     use_all_reduce_for_fetch_params = _short_name("stage3_use_all_reduce_for_fetch_params")
     allgather_sequential = _short_name("stage3_allgather_sequential")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_offload_switches(cls, data: Any) -> Any:
+        """cpu_offload / cpu_offload_param / cpu_offload_use_pin_memory, when built directly."""
+        return upgrade_for_model({}, data, upgrade_zero_keys)
 
     def model_post_init(self, context: Any, /) -> None:
         """Resolve `overlap_comm`'s stage-dependent default (True at stage 3, else False)."""

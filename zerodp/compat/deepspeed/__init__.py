@@ -17,7 +17,7 @@ from _zerodp_as_deepspeed import DEEPSPEED_API_VERSION, version
 
 import zerodp
 from zerodp.compat.deepspeed import (accelerator, checkpoint, comm, compression, git_version_info, launcher, moe,
-                                     ops, runtime, utils)
+                                     ops, pipe, runtime, utils)
 from zerodp.compat.deepspeed._missing import missing_attributes
 from zerodp.compat.deepspeed.accelerator import get_accelerator
 from zerodp.compat.deepspeed.comm import init_distributed
@@ -36,13 +36,17 @@ def initialize(*args, **kwargs) -> tuple:
     engine, *rest = zerodp.initialize(*args, **kwargs)
     engine.count_activations = engine.config.memory_breakdown  # DeepSpeed's autograd, unless asked
     parameter_offload.attach(engine)
+    runtime.engine.attach(engine)
     return (engine, *rest)
 
 
 __version__ = version()
+__git_hash__ = git_version_info.git_hash
+__git_branch__ = git_version_info.git_branch
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in DEEPSPEED_API_VERSION.split("."))
 
-__all__ = ["DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "__version__", "accelerator", "add_config_arguments",
-           "checkpoint", "checkpointing", "comm", "compression", "get_accelerator", "git_version_info",
-           "init_distributed", "initialize", "launcher", "logger", "moe", "ops", "runtime", "utils", "zero"]
+__all__ = ["DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "__git_branch__", "__git_hash__", "__version__",
+           "accelerator", "add_config_arguments", "checkpoint", "checkpointing", "comm", "compression", "get_accelerator",
+           "git_version_info", "init_distributed", "initialize", "launcher", "logger", "moe", "ops", "pipe", "runtime",
+           "utils", "zero"]
 __getattr__ = missing_attributes(__name__)

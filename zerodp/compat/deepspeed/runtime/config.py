@@ -22,11 +22,22 @@ from zerodp.config import ZeroDPConfig, load_config
 from zerodp.config.read import read_input
 from zerodp.log import logger
 
+# The optimizer names of the config's `optimizer.type` (lower case, as DeepSpeed compares them).
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+LION_OPTIMIZER = "lion"
+MUADAM_OPTIMIZER = "muadam"
+MUADAMW_OPTIMIZER = "muadamw"
+MUON_OPTIMIZER = "muon"
+MUSGD_OPTIMIZER = "musgd"
+
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _SAME_NAMES = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
                "gradient_clipping", "prescale_gradients", "gradient_predivide_factor", "memory_breakdown",
                "dataloader_drop_last", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-               "disable_allgather", "dump_state")
+               "disable_allgather", "dump_state", "gradient_allreduce_op")
 """Attributes DeepSpeed's config has under the config key's own name."""
 _SECTIONS = {"zero_config": "zero_optimization", "float16_config": "fp16", "bfloat16_config": "bf16",
              "activation_checkpointing_config": "activation_checkpointing", "flops_profiler_config": "flops_profiler",
@@ -103,5 +114,7 @@ class DeepSpeedConfig:
         logger.info("%s:\n%s", name, self.zerodp_config.model_dump_json(indent=2, exclude_none=True))
 
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
+__all__ = ["ADAGRAD_OPTIMIZER", "ADAMW_OPTIMIZER", "ADAM_OPTIMIZER", "DeepSpeedConfig", "DeepSpeedConfigError",
+           "LAMB_OPTIMIZER", "LION_OPTIMIZER", "MUADAMW_OPTIMIZER", "MUADAM_OPTIMIZER", "MUON_OPTIMIZER",
+           "MUSGD_OPTIMIZER"]
 __getattr__ = missing_attributes(__name__)

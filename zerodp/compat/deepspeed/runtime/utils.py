@@ -1,4 +1,4 @@
-"""`deepspeed.runtime.utils`: `see_memory_usage`."""
+"""`deepspeed.runtime.utils`: `see_memory_usage` and `call_to_str`."""
 
 from __future__ import annotations
 
@@ -20,5 +20,11 @@ def see_memory_usage(message: str, force: bool = False) -> None:
               format_bytes(acc.max_memory_allocated()), level=logging.WARNING)
 
 
-__all__ = ["see_memory_usage"]
+def call_to_str(base: str, *args: object, **kwargs: object) -> str:
+    """The call `base(*args, **kwargs)` written out: `call_to_str("f", 1, x="a")` is `f(1, x='a')`."""
+    written = [repr(arg) for arg in args] + [f"{key}={value!r}" for key, value in kwargs.items()]
+    return f"{base}({', '.join(written)})"
+
+
+__all__ = ["call_to_str", "see_memory_usage"]
 __getattr__ = missing_attributes(__name__)

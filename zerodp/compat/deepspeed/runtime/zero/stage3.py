@@ -1,5 +1,6 @@
 """`deepspeed.runtime.zero.stage3`: `unwrap_model_for_generation`, the one name code outside DeepSpeed
-imports from it (TRL and RLHF loops generate with the trained engine)."""
+imports from it (TRL and RLHF loops generate with the trained engine), and `DeepSpeedZeroOptimizer_Stage3`
+by name only (zerodp's stage 3 is a strategy of the engine; `engine.optimizer` is the torch optimizer)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Iterator
 
 from torch import nn
 
-from zerodp.compat.deepspeed._missing import missing_attributes
+from zerodp.compat.deepspeed._missing import missing_attributes, private_class
 from zerodp.zero import GatheredParameters
 
 
@@ -27,5 +28,9 @@ def unwrap_model_for_generation(model: nn.Module) -> Iterator[nn.Module]:
         yield model
 
 
-__all__ = ["unwrap_model_for_generation"]
+DeepSpeedZeroOptimizer_Stage3 = private_class(__name__, "DeepSpeedZeroOptimizer_Stage3", "set "
+                                              "zero_optimization.stage 3 in the config; the engine partitions "
+                                              "parameters, gradients and optimizer state itself")
+
+__all__ = ["DeepSpeedZeroOptimizer_Stage3", "unwrap_model_for_generation"]
 __getattr__ = missing_attributes(__name__)
