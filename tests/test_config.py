@@ -304,9 +304,10 @@ def test_several_problems_in_one_error(tmp_path) -> None:
     ({"fp16": {"loss_scale": float("inf")}}, "fp16.loss_scale: got Infinity; expected a finite number"),
     ({"fp16": {"loss_scale": -2}}, "fp16.loss_scale: got -2; expected a value >= 0"),
     ({"fp16": {"initial_scale_power": -1}}, "fp16.initial_scale_power: got -1; expected a value >= 0"),
-    ({"fp16": {"loss_scale_window": 0}},
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}},
      "fp16.loss_scale_window: got 0; expected a value > 0 with dynamic loss scaling"),
-    ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale: got 0.0; expected a value > 0 with dynamic"),
+    ({"fp16": {"enabled": True, "min_loss_scale": 0}},
+     "fp16.min_loss_scale: got 0.0; expected a value > 0 with dynamic"),
     ({"fp16": {"enabled": "true"}}, 'fp16.enabled: got "true"; expected true or false'),
     ({"fp16": True}, "fp16: got true; expected a JSON object (a section of keys)"),
     ({"zero_optimization": {"reduce_bucket_size": 0}},
@@ -333,6 +334,11 @@ def test_type_and_range_errors_name_path_and_value(config: dict, expected: str) 
 
 def test_static_loss_scale_allows_any_window() -> None:
     assert ok({"fp16": {"enabled": True, "loss_scale": 128, "loss_scale_window": 0}}).fp16.loss_scale == 128.0
+
+
+def test_a_disabled_fp16_section_may_carry_a_zero_window_and_floor() -> None:
+    """DeepSpeed checks the window and the floor only when dynamic scaling runs; so does zerodp."""
+    assert ok({"fp16": {"enabled": False, "loss_scale_window": 0, "min_loss_scale": 0}}).fp16.loss_scale_window == 0
 
 
 def test_sizes_accept_floats_and_become_ints() -> None:

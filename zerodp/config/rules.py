@@ -69,7 +69,11 @@ def _one_precision(cfg: ZeroDPConfig) -> list[str]:
 
 
 def _dynamic_scale(cfg: ZeroDPConfig) -> list[str]:
+    """The window and the floor are read only by dynamic scaling (fp16 on, loss_scale 0), so only
+    then are they checked: DeepSpeed accepts a disabled fp16 section carrying a 0 window."""
     fp16, problems = cfg.fp16, []
+    if not fp16.enabled:
+        return problems
     if fp16.loss_scale == 0 and fp16.loss_scale_window <= 0:
         problems.append(f"fp16.loss_scale_window: got {fp16.loss_scale_window}; expected a value > 0 "
                         "with dynamic loss scaling (fp16.loss_scale 0)")
