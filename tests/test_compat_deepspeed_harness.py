@@ -168,3 +168,22 @@ def test_the_bench_counts_what_finished_in_a_module_killed_at_its_timeout(monkey
               "unit/a.py::test_w ")  # the test running when the module was killed
     result = bench.parse_verbose(output, "unit/a.py")
     assert (result.collected, result.passed, result.failed, result.errors, result.skipped) == (4, 1, 1, 1, 1)
+
+
+def test_cpu_device_count_reads_deepspeeds_local_size_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's CPU accelerator counts LOCAL_SIZE devices when it is set (its harness skips a
+    2-rank test on a 1-device machine otherwise); zerodp's falls back to LOCAL_WORLD_SIZE, then 1."""
+    from zerodp.compat.deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if torch.cuda.is_available():
+        pytest.skip("the CPU accelerator's count: this machine has CUDA")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    assert accelerator.device_count() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert accelerator.device_count() == 2
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    assert accelerator.device_count() == 4
+    monkeypatch.setenv("LOCAL_SIZE", "0")  # DeepSpeed's "unset"
+    assert accelerator.device_count() == 2

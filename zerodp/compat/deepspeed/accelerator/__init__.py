@@ -47,7 +47,14 @@ class Accelerator:
             torch.cuda.set_device(int(device_index))
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self._cuda else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        """CUDA's count; on the CPU, DeepSpeed's `LOCAL_SIZE` when set above 0 (its CPU accelerator's
+        override), else the launcher's LOCAL_WORLD_SIZE, else 1."""
+        if self._cuda:
+            return torch.cuda.device_count()
+        local_size = os.environ.get("LOCAL_SIZE", "")
+        if local_size.isdigit() and int(local_size) > 0:
+            return int(local_size)
+        return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
     def is_available(self) -> bool:
         return True
