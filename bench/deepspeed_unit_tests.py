@@ -13,6 +13,11 @@ module that did not pass (a collection error counts as one error). `--json FILE`
 
 The modules by default are the CPU-runnable ones about ZeRO stages, initialize, config, precision,
 lr schedules, activation checkpointing and checkpoints.
+
+DeepSpeed's harness skips a test that needs more ranks than its accelerator counts devices; on a CPU
+that count is DeepSpeed's `LOCAL_SIZE` (else its NUMA nodes; zerodp's switch: LOCAL_SIZE, else 1), so
+`LOCAL_SIZE=2 python bench/deepspeed_unit_tests.py ...` runs the 2-rank tests on both sides instead of
+skipping them (each as 2 processes: slower).
 """
 
 from __future__ import annotations
