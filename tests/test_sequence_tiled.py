@@ -18,6 +18,7 @@ gradient accumulation, and gathers the same parameter bytes (once per pass, not 
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -196,6 +197,12 @@ def _tile_the_mlps(model: _CausalLM) -> None:
 
 
 def _zero3(rank: int, world: int, tiled: bool) -> dict:
+    # The switch as the .pth hook turns it on at start-up; installed here because the ranks come
+    # from a fork server that an earlier test may have started without ZERODP_AS_DEEPSPEED.
+    os.environ["ZERODP_AS_DEEPSPEED"] = "1"
+    import _zerodp_as_deepspeed
+
+    _zerodp_as_deepspeed.install()
     import deepspeed
 
     model = _CausalLM(tiled)
@@ -220,8 +227,7 @@ def _zero3(rank: int, world: int, tiled: bool) -> dict:
     return {"losses": losses, "params": params, "gathered": gathered}
 
 
-def test_a_tiled_llama_trains_at_stage_3_as_the_untiled_one_through_deepspeed_s_api(monkeypatch) -> None:
-    monkeypatch.setenv("ZERODP_AS_DEEPSPEED", "1")  # the ranks start with it: `import deepspeed` is zerodp
+def test_a_tiled_llama_trains_at_stage_3_as_the_untiled_one_through_deepspeed_s_api() -> None:
     whole, tiled = (run_ranks(_zero3, 2, args=(t,)) for t in (False, True))
     for got, want in zip(tiled, whole):
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
