@@ -10,6 +10,8 @@ the exact ones.
 
 from __future__ import annotations
 
+import logging
+
 import os
 from pathlib import Path
 
@@ -198,10 +200,23 @@ def test_training_stays_close_to_flat_offloaded_too_and_checkpoints_keep_full_pr
 
 # --- refusals, before any rank communicates -----------------------------------------------------------
 
+@pytest.mark.parametrize("stage,keys", [(2, QW), (1, QG), (0, {**QW, **QG})])
+def test_below_stage_3_the_keys_are_ignored_with_one_warning_as_deepspeed_ignores_them(
+        stage: int, keys: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import zerodp.log
+
+    monkeypatch.setattr(zerodp.log, "_warned", set())
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            cfg = load_config({"train_batch_size": 8, "zero_optimization": {"stage": stage, **keys}}, world_size=4)
+    assert cfg.zero_optimization.stage == stage
+    said = [r.getMessage() for r in caplog.records if "is ignored, as DeepSpeed ignores it" in r.getMessage()]
+    assert sorted(said) == sorted(f"zero_optimization.{key}: true quantizes the collectives of ZeRO stage 3; at "
+                                  f"zero_optimization.stage {stage} it is ignored, as DeepSpeed ignores it (set the "
+                                  "stage to 3 to use it)" for key in keys)
+
+
 @pytest.mark.parametrize("zero,message", [
-    ({"stage": 2, **QW}, r"zero_quantized_weights: true quantizes the collectives of ZeRO stage 3; .*stage 3 "
-                         r"\(it is 2\)"),
-    ({"stage": 1, **QG}, r"zero_quantized_gradients: .*\(it is 1\)"),
     ({"stage": 3, "mics_shard_size": 2, **QW}, r"zero_quantized_weights with zero_optimization.mics_shard_size 2"),
     ({"stage": 3, "zero_quantized_nontrainable_weights": True},
      r"zero_quantized_nontrainable_weights: true is not supported by zerodp \(storing frozen weights quantized"),

@@ -11,6 +11,7 @@ from typing import Any
 
 from zerodp.config.errors import show_value  # noqa: F401 (imported from here by the other config modules)
 from zerodp.config.schema import ZeroDPConfig
+from zerodp.log import warn_once
 
 # ---------------------------------------------------------------------------------------------
 # Messages
@@ -165,15 +166,15 @@ def hierarchy_problems(cfg: ZeroDPConfig, world_size: int) -> list[str]:
 
 
 def _quantized_collective_rules(cfg: ZeroDPConfig) -> list[str]:
-    """ZeRO++ qwZ / qgZ (zero/quantized_comm.py): stage 3 only (DeepSpeed reads the keys only at stage 3 and
-    ignores them below; zerodp refuses instead), and not with MiCS or sequence parallelism (not built)."""
+    """ZeRO++ qwZ / qgZ (zero/quantized_comm.py): read at stage 3 only (below it DeepSpeed ignores them,
+    and so does zerodp, with one warning), and not with MiCS or sequence parallelism (not built)."""
     zero, where, problems = cfg.zero_optimization, "zero_optimization", []
     for key in ("zero_quantized_weights", "zero_quantized_gradients"):
         if not getattr(zero, key):
             continue
         if zero.stage != 3:
-            problems.append(f"{where}.{key}: true quantizes the collectives of ZeRO stage 3; it needs {where}.stage 3 "
-                            f"(it is {zero.stage}): set the stage to 3 or remove the key")
+            warn_once(f"{where}.{key}: true quantizes the collectives of ZeRO stage 3; at {where}.stage "
+                      f"{zero.stage} it is ignored, as DeepSpeed ignores it (set the stage to 3 to use it)")
         elif zero.mics_shard_size > 1:
             problems.append(f"{where}.{key} with {where}.mics_shard_size {zero.mics_shard_size}: quantized "
                             "collectives with MiCS are not implemented; use zero_hpz_partition_size (hpZ) or drop one")
