@@ -1,7 +1,8 @@
 """DeepSpeedExamples' training examples, unchanged, on zerodp (ZERODP_AS_DEEPSPEED=1): which run, which are refused.
 
     python bench/deepspeed_examples.py --examples ~/src/DeepSpeedExamples \\
-        [--python /work/benchvenv/bin/python] [--variants dschat-s1-z2,...] [--real-deepspeed] [--timeout 300]
+        [--python /work/benchvenv/bin/python] [--variants dschat-s1-z2,...] [--real-deepspeed] [--timeout 300] \\
+        [--cifar-data DIR]
 
 Each variant is one example script of a DeepSpeedExamples checkout (--examples; never written to: the
 example's folder is copied into the work folder first, since the scripts write beside themselves), started
@@ -53,34 +54,36 @@ class Variant:
     """(local inputs, the run's folder) -> the script's command-line arguments."""
     loss: Callable[[str], float | None]
     """The final loss the script printed (None where it prints none)."""
-    needs: Callable[[str], str | None] = lambda python: None
-    """What a machine lacks to run it (None when it can run), given the interpreter."""
+    needs: Callable[[argparse.Namespace], str | None] = lambda args: None
+    """What a machine lacks to run it (None when it can run), given the bench's arguments."""
 
 
 def _python_can(python: str, code: str) -> bool:
     return subprocess.run([python, "-c", code], capture_output=True).returncode == 0
 
 
-def _needs_torchvision(python: str) -> str | None:
-    if _python_can(python, "import torchvision"):
+def _needs_torchvision(args: argparse.Namespace) -> str | None:
+    if _python_can(args.python, "import torchvision"):
         return None
-    return f"torchvision (the script imports it) does not import in {python}"
+    return f"torchvision (the script imports it) does not import in {args.python}"
 
 
-def _needs_cuda(python: str) -> str | None:
-    if _python_can(python, "import torch; assert torch.cuda.is_available()"):
+def _needs_cuda(args: argparse.Namespace) -> str | None:
+    if _python_can(args.python, "import torch; assert torch.cuda.is_available()"):
         return None
     return "a CUDA GPU: train.py calls torch.cuda.set_device and torch.cuda.reset_peak_memory_stats unconditionally"
 
 
-def _needs_cifar(python: str) -> str | None:
-    return _needs_torchvision(python) or (
-        "the real CIFAR-10 files: the script calls torchvision's CIFAR10(download=True), which checks the files' "
-        "md5 sums, so a generated stand-in would be replaced by a download (no hub here)")
+def _needs_cifar(args: argparse.Namespace) -> str | None:
+    if args.cifar_data is None or not (args.cifar_data / "cifar-10-batches-py").is_dir():
+        return ("--cifar-data (a folder holding the real cifar-10-batches-py): the script calls torchvision's "
+                "CIFAR10(root='./data', download=True), which checks the files' md5 sums, so a generated stand-in "
+                "would be replaced by a download")
+    return _needs_torchvision(args)
 
 
-def _needs_hub(what: str) -> Callable[[str], str | None]:
-    return lambda python: f"{what} from the Hugging Face hub (the script has no argument for a local copy)"
+def _needs_hub(what: str) -> Callable[[argparse.Namespace], str | None]:
+    return lambda args: f"{what} from the Hugging Face hub (the script has no argument for a local copy)"
 
 
 def _sft(flags: list[str]) -> Callable[[dict, Path], list[str]]:
@@ -108,6 +111,12 @@ def _sft_loss(log: str) -> float | None:
 
 def _rm_loss(log: str) -> float | None:
     found = re.findall(r"Epoch 1/1 with loss ([-0-9.e]+)", log)
+    return float(found[-1]) if found else None
+
+
+def _cifar_loss(log: str) -> float | None:
+    """The last running mean cifar10_deepspeed.py prints (`[ 1,  2000] loss:  1.234`, every --log-interval)."""
+    found = re.findall(r"\]\s+loss:\s+([-0-9.e]+)", log)
     return float(found[-1]) if found else None
 
 
@@ -167,9 +176,9 @@ VARIANTS = [
             TRAINING / "bf16_master_weight", "train.py", _bf16("bf16_full.json"), _no_loss, _needs_cuda),
     # training/cifar: cifar10_deepspeed.py's own --stage/--dtype flags (run_ds.sh)
     Variant("cifar-z0-fp16", "run_ds.sh defaults: ZeRO-0, fp16", TRAINING / "cifar", "cifar10_deepspeed.py",
-            _cifar(0, "fp16"), _no_loss, _needs_cifar),
+            _cifar(0, "fp16"), _cifar_loss, _needs_cifar),
     Variant("cifar-z3-bf16", "run_ds.sh --stage 3 --dtype bf16", TRAINING / "cifar", "cifar10_deepspeed.py",
-            _cifar(3, "bf16"), _no_loss, _needs_cifar),
+            _cifar(3, "bf16"), _cifar_loss, _needs_cifar),
     Variant("pipeline-parallelism", "pipeline_parallelism/run.sh: PipelineModule (AlexNet on CIFAR-10)",
             TRAINING / "pipeline_parallelism", "train.py", lambda inputs, run: ["--deepspeed_config=ds_config.json", "-p", "2", "--steps=4"],
             _no_loss, _needs_torchvision),
@@ -185,11 +194,15 @@ _REFUSED = ("is not provided by zerodp", "not implemented", "zerodp does not", "
 def first_error(log: str) -> str:
     """The exception line of the log's first traceback (rank prefixes removed), else its last line."""
     lines = [re.sub(r"^\[rank\d+\]:\s?|^\d+: ", "", line) for line in log.splitlines()]
+    source = ""
     for index, line in enumerate(lines):
         if line.startswith("Traceback"):
             for after in lines[index + 1:]:
                 if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b", after):
-                    return after.strip()
+                    # a bare `assert` says nothing: name the line that raised it
+                    return after.strip() if ":" in after else f"{after.strip()} at `{source}`"
+                if after.startswith("    ") and not after.lstrip().startswith(("File ", "^")):
+                    source = after.strip()
     return lines[-1].strip() if lines else "(no output)"
 
 
@@ -214,6 +227,8 @@ def run_variant(variant: Variant, args, inputs: dict, work: Path, framework: str
     else:
         cwd, extra_path = run / variant.folder.name, []
         shutil.copytree(args.examples / variant.folder, cwd)
+        if variant.needs is _needs_cifar:  # the script reads ./data beside itself
+            (cwd / "data").symlink_to(args.cifar_data, target_is_directory=True)
     env = environment(framework, run, inputs["shims"], args.python)
     # DeepSpeed-Chat's README installs its `dschat` package (`pip install -e .`); on the path is the same
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *extra_path])
@@ -242,10 +257,12 @@ def main() -> int:
                         help="the interpreter of the runs: transformers, datasets (and deepspeed for --real-deepspeed)")
     parser.add_argument("--variants", default=",".join(v.name for v in VARIANTS), help="comma-separated (default: all)")
     parser.add_argument("--real-deepspeed", action="store_true", help="also run each with --python's real DeepSpeed")
+    parser.add_argument("--cifar-data", type=Path, help="a folder holding CIFAR-10's cifar-10-batches-py")
     parser.add_argument("--work", type=Path, help="where runs write (default: a temporary folder)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per launch (default 300)")
     args = parser.parse_args()
     args.examples = args.examples.resolve()
+    args.cifar_data = args.cifar_data.resolve() if args.cifar_data else None
     by_name = {v.name: v for v in VARIANTS}
     unknown = [name for name in args.variants.split(",") if name not in by_name]
     if unknown:
@@ -256,7 +273,7 @@ def main() -> int:
     print(f"DeepSpeedExamples at {args.examples}; python {args.python}; work {work}")
     for name in args.variants.split(","):
         variant = by_name[name]
-        missing = variant.needs(args.python)
+        missing = variant.needs(args)
         if not (args.examples / variant.folder / variant.script).exists():
             missing = f"{args.examples / variant.folder / variant.script} does not exist"
         for framework in frameworks:
