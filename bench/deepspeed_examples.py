@@ -56,6 +56,8 @@ class Variant:
     """The final loss the script printed (None where it prints none)."""
     needs: Callable[[argparse.Namespace], str | None] = lambda args: None
     """What a machine lacks to run it (None when it can run), given the bench's arguments."""
+    curve: Callable[[str], dict[int, float]] | None = None
+    """The per-step losses the script prints (compared with --real-deepspeed), where it prints them."""
 
 
 def _python_can(python: str, code: str) -> bool:
@@ -109,6 +111,11 @@ def _sft_loss(log: str) -> float | None:
     return curve[max(curve)] if curve else None
 
 
+def _sft_curve(log: str) -> dict[int, float]:
+    """Step 1's per-micro-batch training losses, both ranks (`--print_loss`)."""
+    return chat_curves("dschat_sft", log)
+
+
 def _rm_loss(log: str) -> float | None:
     found = re.findall(r"Epoch 1/1 with loss ([-0-9.e]+)", log)
     return float(found[-1]) if found else None
@@ -142,22 +149,25 @@ _STEP1 = CHAT / "training" / CHAT_STEPS["dschat_sft"]
 _STEP2 = CHAT / "training" / CHAT_STEPS["dschat_rm"]
 _LORA = ["--lora_dim", "8", "--lora_module_name", "layers."]
 
+
+def _step1(name: str, settings: str, flags: list[str]) -> Variant:
+    """A DeepSpeed-Chat step-1 variant: main.py with the flags of the shipped run script `settings` names."""
+    return Variant(name, settings, _STEP1, "main.py", _sft(flags), _sft_loss, curve=_sft_curve)
+
+
 VARIANTS = [
     # DeepSpeed-Chat step 1 (training_scripts/ of step1_supervised_finetuning): the six combinations of the
     # settings DeepSpeed acts on that its run scripts ship; LoRA's rank 128 becomes 8 for the tiny model
-    Variant("dschat-s1-z0-lora", "opt/single_gpu/run_1.3b.sh: ZeRO-0, LoRA", _STEP1, "main.py",
-            _sft(["--zero_stage", "0", *_LORA]), _sft_loss),
-    Variant("dschat-s1-z0-lora-only", "opt/single_node/run_1.3b_lora.sh: ZeRO-0, LoRA, only_optimize_lora",
-            _STEP1, "main.py", _sft(["--zero_stage", "0", *_LORA, "--only_optimize_lora"]), _sft_loss),
-    Variant("dschat-s1-z2", "opt/single_node/run_1.3b.sh: ZeRO-2", _STEP1, "main.py", _sft(["--zero_stage", "2"]),
-            _sft_loss),
-    Variant("dschat-s1-z2-offload-lora-only", "opt/single_node/sweep/run_single.sh: ZeRO-2, --offload, LoRA, "
-            "only_optimize_lora", _STEP1, "main.py",
-            _sft(["--zero_stage", "2", "--offload", *_LORA, "--only_optimize_lora"]), _sft_loss),
-    Variant("dschat-s1-z3-gc", "llama2/run_llama2_7b.sh: ZeRO-3, gradient checkpointing", _STEP1, "main.py",
-            _sft(["--zero_stage", "3", "--gradient_checkpointing"]), _sft_loss),
-    Variant("dschat-s1-z3-gc-lora", "llama2/run_llama2_7b_lora.sh: ZeRO-3, gradient checkpointing, LoRA", _STEP1,
-            "main.py", _sft(["--zero_stage", "3", "--gradient_checkpointing", *_LORA]), _sft_loss),
+    _step1("dschat-s1-z0-lora", "opt/single_gpu/run_1.3b.sh: ZeRO-0, LoRA", ["--zero_stage", "0", *_LORA]),
+    _step1("dschat-s1-z0-lora-only", "opt/single_node/run_1.3b_lora.sh: ZeRO-0, LoRA, only_optimize_lora",
+           ["--zero_stage", "0", *_LORA, "--only_optimize_lora"]),
+    _step1("dschat-s1-z2", "opt/single_node/run_1.3b.sh: ZeRO-2", ["--zero_stage", "2"]),
+    _step1("dschat-s1-z2-offload-lora-only", "opt/single_node/sweep/run_single.sh: ZeRO-2, --offload, LoRA, "
+           "only_optimize_lora", ["--zero_stage", "2", "--offload", *_LORA, "--only_optimize_lora"]),
+    _step1("dschat-s1-z3-gc", "llama2/run_llama2_7b.sh: ZeRO-3, gradient checkpointing",
+           ["--zero_stage", "3", "--gradient_checkpointing"]),
+    _step1("dschat-s1-z3-gc-lora", "llama2/run_llama2_7b_lora.sh: ZeRO-3, gradient checkpointing, LoRA",
+           ["--zero_stage", "3", "--gradient_checkpointing", *_LORA]),
     # DeepSpeed-Chat step 2 (reward model): its opt/single_node/run_350m.sh default (ZeRO-0) and its llama2 (ZeRO-3)
     Variant("dschat-s2-z0", "opt/single_node/run_350m.sh: ZeRO-0", _STEP2, "main.py", _rm(["--zero_stage", "0"]),
             _rm_loss),
@@ -180,8 +190,9 @@ VARIANTS = [
     Variant("cifar-z3-bf16", "run_ds.sh --stage 3 --dtype bf16", TRAINING / "cifar", "cifar10_deepspeed.py",
             _cifar(3, "bf16"), _cifar_loss, _needs_cifar),
     Variant("pipeline-parallelism", "pipeline_parallelism/run.sh: PipelineModule (AlexNet on CIFAR-10)",
-            TRAINING / "pipeline_parallelism", "train.py", lambda inputs, run: ["--deepspeed_config=ds_config.json", "-p", "2", "--steps=4"],
-            _no_loss, _needs_torchvision),
+            TRAINING / "pipeline_parallelism", "train.py",
+            lambda inputs, run: ["--deepspeed_config=ds_config.json", "-p", "2", "--steps=4"], _no_loss,
+            _needs_torchvision),
     Variant("hello-deepspeed", "HelloDeepSpeed/run_ds.sh: train_bert_ds.py", TRAINING / "HelloDeepSpeed",
             "train_bert_ds.py", lambda inputs, run: [], _no_loss,
             _needs_hub("the wikitext dataset (datasets.load_dataset('wikitext', ...))")),
@@ -215,8 +226,8 @@ def outcome(returncode: int, log: str) -> str:
     return f"{kind} ({returncode}): {error[:300]}"
 
 
-def run_variant(variant: Variant, args, inputs: dict, work: Path, framework: str) -> tuple[str, float, float | None]:
-    """Launch one variant on 2 processes under `framework`; (outcome, seconds, final loss)."""
+def run_variant(variant: Variant, args, inputs: dict, work: Path, framework: str) -> tuple[str, float, str]:
+    """Launch one variant on 2 processes under `framework`; (outcome, seconds, its log)."""
     run = work / f"{variant.name}-{framework}"
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
@@ -247,7 +258,24 @@ def run_variant(variant: Variant, args, inputs: dict, work: Path, framework: str
     seconds = time.monotonic() - start
     text = log.read_text(errors="replace")
     result = f"failed: timed out after {args.timeout:g} s" if returncode == -1 else outcome(returncode, text)
-    return result, seconds, variant.loss(text)
+    return result, seconds, text
+
+
+def compare(variant: Variant, logs: dict[str, str]) -> str | None:
+    """max |zerodp - DeepSpeed| over the per-step losses both runs printed (None where there is nothing to compare)."""
+    if variant.curve is None or len(logs) < 2:
+        return None
+    ours, theirs = variant.curve(logs["zerodp"]), variant.curve(logs["deepspeed"])
+    common = sorted(set(ours) & set(theirs))
+    if not common:
+        return None
+    diff, step = max((abs(ours[s] - theirs[s]), s) for s in common)
+    return f"max abs(zerodp - DeepSpeed) {diff:.2e} at loss {step} of {len(common)}"
+
+
+def checkout_commit(examples: Path) -> str:
+    found = subprocess.run(["git", "-C", str(examples), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return found.stdout.strip() if found.returncode == 0 else "(not a git checkout)"
 
 
 def main() -> int:
@@ -270,19 +298,25 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="zerodp-ds-examples-"))
     inputs = make_inputs(work / "inputs", with_weights=True)
     frameworks = ["zerodp", "deepspeed"] if args.real_deepspeed else ["zerodp"]
-    print(f"DeepSpeedExamples at {args.examples}; python {args.python}; work {work}")
+    print(f"DeepSpeedExamples at {args.examples} (commit {checkout_commit(args.examples)}); python {args.python}; "
+          f"work {work}")
     for name in args.variants.split(","):
         variant = by_name[name]
         missing = variant.needs(args)
         if not (args.examples / variant.folder / variant.script).exists():
             missing = f"{args.examples / variant.folder / variant.script} does not exist"
+        logs = {}
         for framework in frameworks:
             if missing:
                 print(f"| {name} | {framework} | {variant.settings} | not run: {missing} | | |", flush=True)
                 continue
-            result, seconds, loss = run_variant(variant, args, inputs, work, framework)
+            result, seconds, logs[framework] = run_variant(variant, args, inputs, work, framework)
+            loss = variant.loss(logs[framework])
             shown = "" if loss is None else f"{loss:.4f}"
             print(f"| {name} | {framework} | {variant.settings} | {result} | {seconds:.0f} s | {shown} |", flush=True)
+        difference = compare(variant, logs)
+        if difference:
+            print(f"| {name} | both | {difference} | | | |", flush=True)
     return 0
 
 
