@@ -105,19 +105,14 @@ def _model(args: argparse.Namespace, problems: list[str]) -> tuple[Any, Any, int
 def _quantize(args: argparse.Namespace, module: Any, problems: list[str]) -> None:
     """--quantization nf4: make the meta model the one QLoRA trains (zerodp/plan/quantized.py)."""
     from zerodp.plan.model_states import DTYPES
-    from zerodp.plan.quantized import QLoRA, apply_qlora
-    from zerodp.sizes import parse_count
+    from zerodp.cli.common import qlora_from_flags
+    from zerodp.plan.quantized import apply_qlora
 
     _resolve_quantization(args, module, problems)
     if args.quantization == "none":
         return
-    rank = parse_count(args.lora_rank) if args.lora_rank is not None else 8
-    if rank is None:
-        problems.append(f"--lora-rank {args.lora_rank}: expected a positive adapter rank such as 8 or 64")
-        return
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) or ("all-linear",)
     try:
-        apply_qlora(module, QLoRA(rank, targets, args.double_quant), DTYPES[args.dtype])
+        apply_qlora(module, qlora_from_flags(args), DTYPES[args.dtype])
     except ValueError as err:
         problems.append(str(err))
 

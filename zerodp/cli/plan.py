@@ -155,17 +155,13 @@ def _workload(args: argparse.Namespace, problems: list[str]) -> "Workload | None
 def _qlora(args: argparse.Namespace, work: "Workload | None", problems: list[str]) -> "Workload | None":
     """--quantization nf4: the workload QLoRA trains (zerodp/plan/quantized.py), its flags checked on a meta build."""
     from zerodp.plan.model_states import DTYPES
-    from zerodp.plan.quantized import QLoRA, apply_qlora, qlora_workload
-    from zerodp.sizes import parse_count
+    from zerodp.cli.common import qlora_from_flags
+    from zerodp.plan.quantized import apply_qlora, qlora_workload
 
     if args.quantization == "none" or work is None:
         return work
-    rank = parse_count(args.lora_rank)
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) or ("all-linear",)
     try:
-        if rank is None:
-            raise ValueError(f"--lora-rank {args.lora_rank}: expected a positive adapter rank such as 8 or 64")
-        qlora = QLoRA(rank, targets, args.double_quant)
+        qlora = qlora_from_flags(args)
         apply_qlora(work.meta(), qlora, DTYPES[args.dtype])
     except ValueError as err:
         problems.append(str(err))
