@@ -510,15 +510,32 @@ def test_the_training_loader_resumes_where_it_stopped(tmp_path: Path) -> None:
 def _different_tags(rank: int, world: int, root: str, policy: str):
     import zerodp
 
-    engine, *_ = zerodp.initialize(model=make_model(), config={
-        "train_micro_batch_size_per_gpu": 4, "checkpoint": {"tag_validation": policy},
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    def build():
+        return zerodp.initialize(model=make_model(), config={
+            "train_micro_batch_size_per_gpu": 4, "checkpoint": {"tag_validation": policy},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})[0]
+
+    engine = build()
+    _train(engine, rank, range(2))
     engine.save_checkpoint(root, tag=f"tag_of_rank_{rank}")
+    again = build()
+    path, _ = again.load_checkpoint(root)
+    same = all(torch.equal(a, b) for a, b in zip(_params(again), _params(engine), strict=True))
+    return sorted(p.name for p in Path(root).iterdir()), path, same
 
 
 def test_tags_that_differ_between_ranks_fail_under_tag_validation_fail(tmp_path: Path) -> None:
-    with pytest.raises(RankFailed, match=r"differs between ranks \(checkpoint.tag_validation=Fail\)"):
+    with pytest.raises(RankFailed, match=r"'tag_of_rank_1' on rank 1 differs from rank 0's 'tag_of_rank_0' "
+                                         r"\(checkpoint.tag_validation=Fail\); pass the same tag on every rank"):
         run_ranks(_different_tags, 2, args=(str(tmp_path), "Fail"))
+
+
+@pytest.mark.parametrize("policy", ["Warn", "Ignore"])
+def test_tags_that_differ_between_ranks_save_one_checkpoint_under_rank_0s_tag(tmp_path: Path, policy: str) -> None:
+    """DeepSpeed saves each rank's pieces under its own tag (two incomplete checkpoints); zerodp writes
+    one complete one, under rank 0's tag, which loads."""
+    for entries, path, same in run_ranks(_different_tags, 2, args=(str(tmp_path), policy)):
+        assert entries == ["latest", "tag_of_rank_0", "zero_to_fp32.py"] and path.endswith("tag_of_rank_0") and same
 
 
 # --- found in review ------------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def open_save(shard: ShardState, save_dir: str, tag: str | None, save_latest: bo
     tag = check_tag(tag if tag is not None else f"global_step{shard.counters['global_steps']}")
     root = Path(save_dir)
     _all_ranks_called("save_checkpoint")
-    _check_tag_on_all_ranks(tag, shard.checkpoint_config.tag_validation)
+    tag = _agreed_tag(tag, shard.checkpoint_config.tag_validation)
     storage = _storage(root, shard.checkpoint_config.use_node_local_storage)
     target = SaveTarget(root, tag, root / f"{tag}.tmp", storage, save_latest)
     on_every_rank(lambda: _make_empty(target.tmp, storage) if target.leads else storage.clean_up_probe())  # a barrier
@@ -248,17 +248,20 @@ def _all_ranks_called(what: str) -> None:
         raise RuntimeError(f"{what} must be called on every rank (as in DeepSpeed): {err}") from None
 
 
-def _check_tag_on_all_ranks(tag: str, policy: str) -> None:
-    import zlib
-
-    crcs = comm.all_gather_rows(torch.tensor([zlib.crc32(tag.encode())], dtype=torch.int64,
-                                             device=comm.device_for_backend())).view(-1).tolist()
-    if len(set(crcs)) == 1 or policy.lower() == "ignore":
-        return
-    message = f"checkpoint tag {tag!r} differs between ranks (checkpoint.tag_validation={policy})"
+def _agreed_tag(tag: str, policy: str) -> str:
+    """The tag every rank saves under: rank 0's. Tags that differ between ranks are an error with
+    `tag_validation: Fail`, one warning with `Warn` (DeepSpeed's default) and silent with `Ignore`;
+    either way one complete checkpoint is written, under rank 0's tag, not pieces under several."""
+    tags = comm.gather_messages(tag)
+    if len(set(tags)) == 1:
+        return tag
+    message = (f"checkpoint tag {tag!r} on rank {comm.get_rank()} differs from rank 0's {tags[0]!r} "
+               f"(checkpoint.tag_validation={policy})")
     if policy.lower() == "fail":
-        raise CheckpointError(message)
-    logger.warning(message)
+        raise CheckpointError(f"{message}; pass the same tag on every rank, or leave it out (global_stepN)")
+    if policy.lower() == "warn":
+        logger.warning(f"{message}: saving every rank's shard under rank 0's tag {tags[0]!r}")
+    return tags[0]
 
 
 def _rank_payloads(shard: ShardState, rank: int, world: int,

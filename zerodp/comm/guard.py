@@ -33,6 +33,9 @@ class PeerFailed(RuntimeError):
         super().__init__(f"rank {rank} failed with {error_type}: {message}")
         self.rank, self.error_type, self.message = rank, error_type, message
 
+    def __reduce__(self) -> tuple:  # pickles with its arguments (process pools re-raise it in the parent)
+        return type(self), (self.rank, self.error_type, self.message)
+
 
 def on_every_rank(work: Callable[[], Any]) -> Any:
     """Run `work()` on every rank; if it raises on any rank, every rank raises at once: the failing

@@ -62,7 +62,10 @@ class SchedulerParamsError(ValueError):
 
     def __init__(self, scheduler_name: str, problems: list[str]) -> None:
         super().__init__(f"invalid {scheduler_name} parameters:\n  " + "\n  ".join(problems))
-        self.problems = problems
+        self.scheduler_name, self.problems = scheduler_name, problems
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.scheduler_name, self.problems)
 
 
 class ParamProblems:

@@ -48,6 +48,9 @@ class OutOfMemoryDiagnosed(RuntimeError):
         super().__init__(format_report(report))
         self.report = report
 
+    def __reduce__(self) -> tuple:
+        return type(self), (self.report,)
+
 
 class _LimitWatch(LiveBytes):
     """LiveBytes of a real run that raises DeviceLimitExceeded when the device's bytes pass `limit`."""

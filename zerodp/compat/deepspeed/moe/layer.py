@@ -24,6 +24,10 @@ class MoENotProvided(NotImplementedError):
         super().__init__(f"deepspeed.moe.layer.MoE(num_experts={num_experts}, ep_size={ep_size}): mixture-of-experts "
                          "layers (DeepSpeed's gate, experts and expert parallelism) are not implemented by zerodp; "
                          "use a dense layer, or DeepSpeed itself for MoE training")
+        self.ep_size, self.num_experts = ep_size, num_experts
+
+    def __reduce__(self) -> tuple:  # pickles with its arguments (DeepSpeed's test harness pools re-raise it)
+        return type(self), (self.ep_size, self.num_experts)
 
 
 class MoE:

@@ -24,6 +24,10 @@ class OpBuilderNotProvided(NotImplementedError):
                 if op in ("cpu_adam", "fused_adam") else "")
         super().__init__(f"{builder}().load(): DeepSpeed's compiled op '{op}' is not provided by zerodp, which "
                          f"builds no kernels{hint}")
+        self.builder, self.op = builder, op
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.builder, self.op)
 
 
 class OpBuilder:

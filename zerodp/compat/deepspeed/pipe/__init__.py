@@ -22,6 +22,10 @@ class PipelineParallelismNotProvided(NotImplementedError):
                          "data-parallel only, ZeRO stages 0-3); build the model as a plain torch.nn.Module "
                          "(e.g. torch.nn.Sequential of the layers) and train it with ZeRO, or use DeepSpeed "
                          "itself for pipeline parallelism")
+        self.name = name
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.name,)
 
 
 def _refuse(name: str) -> NoReturn:
