@@ -525,8 +525,8 @@ def _different_tags(rank: int, world: int, root: str, policy: str):
 
 
 def test_tags_that_differ_between_ranks_fail_under_tag_validation_fail(tmp_path: Path) -> None:
-    with pytest.raises(RankFailed, match=r"'tag_of_rank_1' on rank 1 differs from rank 0's 'tag_of_rank_0' "
-                                         r"\(checkpoint.tag_validation=Fail\); pass the same tag on every rank"):
+    with pytest.raises(RankFailed, match=r"checkpoint tags differ between ranks: rank 0 'tag_of_rank_0', rank 1 "
+                                         r"'tag_of_rank_1' \(checkpoint.tag_validation=Fail\); pass the same tag"):
         run_ranks(_different_tags, 2, args=(str(tmp_path), "Fail"))
 
 
@@ -536,6 +536,28 @@ def test_tags_that_differ_between_ranks_save_one_checkpoint_under_rank_0s_tag(tm
     one complete one, under rank 0's tag, which loads."""
     for entries, path, same in run_ranks(_different_tags, 2, args=(str(tmp_path), policy)):
         assert entries == ["latest", "tag_of_rank_0", "zero_to_fp32.py"] and path.endswith("tag_of_rank_0") and same
+
+
+def _missing_dir(rank: int, world: int, which: str, value):
+    import zerodp
+
+    engine, *_ = zerodp.initialize(model=make_model(), config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    try:
+        engine.save_checkpoint(value) if which == "save" else engine.load_checkpoint(value)
+    except ValueError as err:  # DeepSpeed's type: its own tests expect ValueError
+        return str(err)
+
+
+@pytest.mark.parametrize("which,value", [("save", None), ("save", ""), ("load", None), ("load", " ")])
+def test_a_missing_checkpoint_dir_is_a_value_error_before_anything_is_written(tmp_path: Path, which: str,
+                                                                              value: object) -> None:
+    """An empty save_dir wrote global_step0 into the working directory; None gave os.path's TypeError."""
+    os.chdir(tmp_path)
+    argument = "save_dir" if which == "save" else "load_dir"
+    for message in run_ranks(_missing_dir, 2, args=(which, value)):
+        assert message == f"{argument}={value!r}: a checkpoint directory is needed, e.g. {argument}='checkpoints'"
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- found in review ------------------------------------------------------------------------------------

@@ -101,6 +101,16 @@ def check_tag(tag: str) -> str:
     return tag
 
 
+def check_dir_argument(path: object, argument: str) -> Path:
+    """`save_checkpoint(save_dir=...)` / `load_checkpoint(load_dir=...)`: a path, not None or empty
+    (which would write into the working directory). A ValueError, as DeepSpeed raises."""
+    if path is None or (isinstance(path, str) and not path.strip()):
+        raise CheckpointError(f"{argument}={path!r}: a checkpoint directory is needed, e.g. {argument}='checkpoints'")
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"{argument}={path!r}: expected a path (str or os.PathLike), got {type(path).__name__}")
+    return Path(path)
+
+
 def read_latest(root: Path) -> str:
     """The tag named by `root/latest` (checked as a tag: one directory name). CheckpointError naming
     root/latest when it is not a small text file holding one: binary, too long, several lines, a

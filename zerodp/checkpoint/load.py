@@ -20,8 +20,8 @@ import torch
 
 from zerodp import comm
 from zerodp.checkpoint import deepspeed
-from zerodp.checkpoint.format import (ENGINE, LATEST, CheckpointError, check_tag, complete_tags, copy_from_mapped,
-                                      missing_latest_tag, newest_everywhere, on_every_rank, read_latest, read_meta,
+from zerodp.checkpoint.format import (ENGINE, LATEST, CheckpointError, check_dir_argument, check_tag, complete_tags,
+                                      copy_from_mapped, missing_latest_tag, newest_everywhere, on_every_rank, read_latest, read_meta,
                                       rng_file, verified_load)
 from zerodp.log import log_rank0, logger
 from zerodp.zero.shard_state import ShardState
@@ -35,9 +35,10 @@ def load_checkpoint(shard: ShardState, load_dir: str, tag: str | None = None, lo
     when there is nothing to load."""
     with_optimizer = load_optimizer_states and not load_module_only
     with comm.ledger.outside_step():
-        tag_dir = on_every_rank(lambda: _tag_dir(Path(load_dir), tag))
+        root = check_dir_argument(load_dir, "load_dir")
+        tag_dir = on_every_rank(lambda: _tag_dir(root, tag))
         if comm.get_world_size() > 1:
-            tag_dir = _same_tag_on_every_rank(Path(load_dir), tag_dir)
+            tag_dir = _same_tag_on_every_rank(root, tag_dir)
         if tag_dir is None:
             return None, None
         meta, state, rng, read = on_every_rank(lambda: _read_engine_state(shard, tag_dir, load_module_strict))

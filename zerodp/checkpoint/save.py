@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from zerodp import comm
-from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, CheckpointError, check_tag, file_rank, fsync_dir,
-                                      on_every_rank, rank_file, rank_file_order, replace_latest, rng_file, sha256,
+from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, CheckpointError, check_dir_argument, check_tag,
+                                      file_rank, fsync_dir, on_every_rank, rank_file, rank_file_order, replace_latest, rng_file, sha256,
                                       torch_save_synced, write_meta)
 from zerodp.checkpoint.recovery_script import write_recovery_script
 from zerodp.checkpoint.safe_io import discard, fresh_dir, remove_entry, write_bytes_fresh
@@ -106,8 +106,8 @@ class Written:
 def open_save(shard: ShardState, save_dir: str, tag: str | None, save_latest: bool) -> SaveTarget:
     """Check that every rank called with the same tag, probe the storage, make an empty TAG.tmp
     (collectives: the main thread only)."""
+    root = check_dir_argument(save_dir, "save_dir")
     tag = check_tag(tag if tag is not None else f"global_step{shard.counters['global_steps']}")
-    root = Path(save_dir)
     _all_ranks_called("save_checkpoint")
     tag = _agreed_tag(tag, shard.checkpoint_config.tag_validation)
     storage = _storage(root, shard.checkpoint_config.use_node_local_storage)
@@ -255,8 +255,8 @@ def _agreed_tag(tag: str, policy: str) -> str:
     tags = comm.gather_messages(tag)
     if len(set(tags)) == 1:
         return tag
-    message = (f"checkpoint tag {tag!r} on rank {comm.get_rank()} differs from rank 0's {tags[0]!r} "
-               f"(checkpoint.tag_validation={policy})")
+    shown = ", ".join(f"rank {rank} {each!r}" for rank, each in enumerate(tags[:8])) + (", ..." if len(tags) > 8 else "")
+    message = f"checkpoint tags differ between ranks: {shown} (checkpoint.tag_validation={policy})"
     if policy.lower() == "fail":
         raise CheckpointError(f"{message}; pass the same tag on every rank, or leave it out (global_stepN)")
     if policy.lower() == "warn":
