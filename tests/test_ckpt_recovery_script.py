@@ -6,30 +6,20 @@ script as a user does, with this Python, gives the consolidation of the source c
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from tests.test_checkpoint_links import _as_node_local
+from tests.test_zero_to_fp32 import _run  # python ARGS with this checkout's zerodp, the switch on or off
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "deepspeed" / "stage3_bf16"  # real DeepSpeed 0.19.8, 2 ranks
 
 
-def _python(args: list[str], cwd: Path, switch: bool = False) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env.pop("ZERODP_AS_DEEPSPEED", None)
-    if switch:
-        env["ZERODP_AS_DEEPSPEED"] = "1"
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-
-
 def _consolidated_by_the_folders_script(folder: Path, out: Path) -> dict[str, torch.Tensor]:
     """`python FOLDER/zero_to_fp32.py FOLDER OUT`, as DeepSpeed's users run it; OUT's weights."""
-    done = _python([str(folder / "zero_to_fp32.py"), str(folder), str(out)], cwd=folder.parent)
+    done = _run([str(folder / "zero_to_fp32.py"), str(folder), str(out)], cwd=folder.parent)
     assert done.returncode == 0, done.stderr
     return torch.load(out / "pytorch_model.bin", weights_only=True)
 
@@ -60,7 +50,7 @@ def test_a_deepspeed_checkpoint_converted_to_zerodp_carries_the_script(tmp_path:
     source = _source_consolidation()
     _assert_equal(_consolidated_by_the_folders_script(out, tmp_path / "by_script"), source)
     # and DeepSpeed's module form under the switch, on the converted folder
-    done = _python(["-m", "deepspeed.utils.zero_to_fp32", str(out), str(tmp_path / "by_module")], cwd=tmp_path,
+    done = _run(["-m", "deepspeed.utils.zero_to_fp32", str(out), str(tmp_path / "by_module")], cwd=tmp_path,
                    switch=True)
     assert done.returncode == 0, done.stderr
     _assert_equal(torch.load(tmp_path / "by_module" / "pytorch_model.bin", weights_only=True), source)
