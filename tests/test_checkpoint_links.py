@@ -178,11 +178,13 @@ def test_convert_from_deepspeed_replaces_links_at_latest_tmp_and_tag_tmp(tmp_pat
     from zerodp.cli import main
 
     out = tmp_path / "z"
-    _plant(out, ["latest.tmp"], victim)
+    _plant(out, ["latest.tmp", "zero_to_fp32.py.tmp"], victim)
     _plant(out, ["global_step3.tmp"], victim.parent)
     assert main(["ckpt", "convert", str(DS_FIXTURES / "stage2_fp16"), str(out), "--to", "zerodp"]) == 0
     _assert_untouched(victim)
-    assert (out / "latest").read_text() == "global_step3" and sorted(os.listdir(out)) == ["global_step3", "latest"]
+    assert (out / "latest").read_text() == "global_step3"
+    assert sorted(os.listdir(out)) == ["global_step3", "latest", "zero_to_fp32.py"]
+    assert not (out / "zero_to_fp32.py").is_symlink()
     assert main(["ckpt", "inspect", str(out)]) == 0
 
 
@@ -190,26 +192,28 @@ def test_convert_from_deepspeed_replaces_links_at_latest_tmp_and_tag_tmp(tmp_pat
 
 
 def _as_node_local(saved_root: Path, hosts_root: Path) -> list[Path]:
-    """The 2-rank checkpoint `saved_root` as a node-local save of two hosts of one rank each: each
-    host's directory holds its rank's files and engine.pt, and a meta.json whose `nodes` says so."""
+    """The 2-rank checkpoint `saved_root` (its latest tag) as a node-local save of two hosts of one rank
+    each: each host's directory holds its rank's files and engine.pt, and a meta.json whose `nodes` says so."""
     from zerodp.checkpoint.format import write_meta
 
-    meta = json.loads((saved_root / "t" / "meta.json").read_text())
-    meta["nodes"] = [{"host": f"h{r}", "ranks": [r], "files": ["engine.pt", f"rank_{r}_of_2.pt", f"rng_{r}.pt"]}
-                     for r in range(2)]
+    tag = (saved_root / "latest").read_text()
+    meta = json.loads((saved_root / tag / "meta.json").read_text())
+    own = [[name for name in ("engine.pt", f"rank_{r}_of_2.pt", f"rng_{r}.pt") if name in meta["files"]]
+           for r in range(2)]  # a checkpoint converted from DeepSpeed has no rng files
+    meta["nodes"] = [{"host": f"h{r}", "ranks": [r], "files": own[r]} for r in range(2)]
     hosts = []
     for node in meta["nodes"]:
-        tag_dir = hosts_root / node["host"] / "t"
+        tag_dir = hosts_root / node["host"] / tag
         tag_dir.mkdir(parents=True)
         for name in node["files"]:
-            shutil.copyfile(saved_root / "t" / name, tag_dir / name)
+            shutil.copyfile(saved_root / tag / name, tag_dir / name)
         write_meta(tag_dir, meta)  # with its checksum, as a node-local save writes it
-        (tag_dir.parent / "latest").write_text("t")
+        (tag_dir.parent / "latest").write_text(tag)
         hosts.append(tag_dir.parent)
     return hosts
 
 
-@pytest.mark.parametrize("planted", ["latest.tmp", "t.tmp", "files in t.tmp"])
+@pytest.mark.parametrize("planted", ["latest.tmp", "t.tmp", "files in t.tmp", "zero_to_fp32.py.tmp"])
 def test_gather_replaces_links_at_its_temporary_names(tmp_path: Path, victim: Path, saved, planted: str) -> None:
     from zerodp.cli import main
 
@@ -222,7 +226,8 @@ def test_gather_replaces_links_at_its_temporary_names(tmp_path: Path, victim: Pa
         _plant(out, [planted], victim.parent if planted == "t.tmp" else victim)
     assert main(["ckpt", "gather", *map(str, hosts), "--out", str(out)]) == 0
     _assert_untouched(victim)
-    assert sorted(os.listdir(out)) == ["latest", "t"] and not any(p.is_symlink() for p in (out / "t").iterdir())
+    assert sorted(os.listdir(out)) == ["latest", "t", "zero_to_fp32.py"]
+    assert not any(p.is_symlink() for p in (out / "t").iterdir()) and not (out / "zero_to_fp32.py").is_symlink()
     _assert_holds(out, saved[1])
 
 

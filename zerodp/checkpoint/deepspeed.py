@@ -42,6 +42,7 @@ import torch
 
 from zerodp.checkpoint.format import (ENGINE, FORMAT_VERSION, LATEST, META, CheckpointError, check_tag, fsync_dir,
                                       rank_file, read_latest, replace_latest, sha256, torch_save_synced, write_meta)
+from zerodp.checkpoint.recovery_script import SCRIPT_NAME, write_recovery_script
 from zerodp.checkpoint.safe_io import discard, fresh_dir, output_inside_input
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -351,8 +352,9 @@ def convert_to_zerodp(ds_dir: str | Path, out_dir: str | Path, tag: str | None =
     """Write the DeepSpeed checkpoint `ds_dir` (its `latest` tag, or `tag`) as a zerodp checkpoint
     `out_dir/TAG` saved by as many ranks at the same stage: one rank file per DeepSpeed rank, with
     the same fp32 masters and optimizer state, engine.pt, meta.json; then `out_dir/latest`. Written
-    into TAG.tmp and renamed when complete, so a failure leaves no partial TAG. No RNG state
-    (DeepSpeed saves none). `progress(done, total)` counts rank files. Returns the files written."""
+    into TAG.tmp and renamed when complete, so a failure leaves no partial TAG; and, as a save does,
+    `out_dir/zero_to_fp32.py`. No RNG state (DeepSpeed saves none). `progress(done, total)` counts rank
+    files. Returns the files written."""
     source = find_tag_dir(Path(ds_dir), tag)
     if source is None:
         raise CheckpointError(f"{ds_dir} is not a DeepSpeed ZeRO checkpoint (no 'latest' naming a tag directory "
@@ -387,5 +389,6 @@ def convert_to_zerodp(ds_dir: str | Path, out_dir: str | Path, tag: str | None =
     except BaseException:
         discard(tmp)
         raise
+    write_recovery_script(root)  # a zerodp checkpoint folder, so the script a save leaves (recovery_script.py)
     replace_latest(root, name)
-    return [root / name / f for f in [*files, META]] + [root / LATEST]
+    return [root / name / f for f in [*files, META]] + [root / SCRIPT_NAME, root / LATEST]

@@ -6,7 +6,8 @@ node-local storage]). Copied side by side onto one machine (rsync, or the hosts'
 directories hold every file once; gathering copies each, checked against its sha256 as it is copied,
 into OUT/TAG with host 0's engine.pt, and writes a meta.json without `nodes`: a checkpoint like any
 shared one, which loads at any world size and stage. No collectives; OUT is published as a save is
-(TAG.tmp, fsync, rename, then `latest`), so an interrupted gather leaves nothing loadable half-written.
+(TAG.tmp, fsync, rename, then `latest`), so an interrupted gather leaves nothing loadable half-written;
+and, as a save does, OUT/zero_to_fp32.py (recovery_script.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import BinaryIO, Callable
 from zerodp.checkpoint.convert import resolve_tag_dir
 from zerodp.checkpoint.format import (ENGINE, META, CheckpointError, complete_tags, fsync_dir, newest_everywhere,
                                       read_meta, replace_latest, write_meta)
+from zerodp.checkpoint.recovery_script import write_recovery_script
 from zerodp.checkpoint.safe_io import discard, fresh_dir, output_inside_input, write_fresh
 
 Progress = Callable[[int, int], None]  # (bytes copied, bytes in all)
@@ -54,6 +56,7 @@ def gather_checkpoint(host_dirs: list[str | Path], out_dir: str | Path, tag: str
         write_meta(tmp, meta)
         fsync_dir(tmp)
         tmp.rename(final)
+        write_recovery_script(out_root)  # a checkpoint folder like a save's: DeepSpeed's consolidation script too
         replace_latest(out_root, final.name)
     except BaseException:
         discard(tmp)

@@ -1,4 +1,5 @@
-"""The `zero_to_fp32.py` that save_checkpoint leaves in every checkpoint folder, as DeepSpeed does:
+"""The `zero_to_fp32.py` that save_checkpoint leaves in every checkpoint folder, as DeepSpeed does (and
+so do `zerodp ckpt gather` and `zerodp ckpt convert --to zerodp`, whose outputs are checkpoint folders too):
 
     python checkpoints/zero_to_fp32.py checkpoints out/          # pytorch_model*.bin (+ index)
     cd checkpoints && python zero_to_fp32.py . out/ --safe_serialization
@@ -23,7 +24,8 @@ SCRIPT = '''#!/usr/bin/env python
     python zero_to_fp32.py . out/ --safe_serialization       # model*.safetensors
     python zero_to_fp32.py . out/ -t global_step100          # a tag other than `latest`
 
-Written by zerodp's save_checkpoint; `python zero_to_fp32.py --help` lists every flag.
+Written by zerodp (save_checkpoint, `zerodp ckpt gather`, `zerodp ckpt convert --to zerodp`);
+`python zero_to_fp32.py --help` lists every flag.
 """
 import sys
 
