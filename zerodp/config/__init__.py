@@ -10,6 +10,7 @@ zerodp.log. One module per concern:
     read.py        the input (dict / path / JSON string / args), the world size ($WORLD_SIZE), zero.Init's reads
     clean.py       the raw dict against the schema: removed keys, "auto", deprecated names, unknown keys
     unknown.py     unknown keys: typos are errors, keys DeepSpeed ignores are warned about, strict keys
+    section.py     Section, the strict base of every section, and the value types (Int, DType, Device)
     schema.py      the pydantic models and DeepSpeed 0.19.8's defaults
     rules.py       cross-field rules and the message helpers every check shares
     keys.py        keys zerodp does not implement, or that change nothing here

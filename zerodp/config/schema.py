@@ -12,10 +12,7 @@ actually got; each disagreement is marked `[docs vs code]` where the field is de
 that changed in recent releases (gradient_clipping, bf16.check_grad_overflow, offload pin_memory,
 steps_per_print, aio.intra_op_parallelism, managed_gradient_accumulation) are marked `[changed]`.
 
-[Note: strict types]
-Every section is strict: a number is not accepted as a bool, "8" is not accepted as 8 (a Hugging
-Face integration pitfall, LlamaFactory #1116), and a bool is not accepted as a number. Integer keys
-accept a float with no fractional part (`5e8`), because DeepSpeed's own docs write sizes that way.
+Every section is strict: [Note: strict types] in zerodp/config/section.py.
 """
 
 from __future__ import annotations
@@ -23,106 +20,11 @@ from __future__ import annotations
 import sys
 from typing import Annotated, Any, ClassVar, Literal, Optional
 
-from pydantic import (AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
-                      model_validator)
+from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, model_validator
 
 from zerodp.config.deprecated import one_name_is_a_list, upgrade_for_model, upgrade_zero_keys
-
-
-# ---------------------------------------------------------------------------------------------
-# Value types
-# ---------------------------------------------------------------------------------------------
-
-
-def _whole_float_to_int(value: Any) -> Any:
-    """5e8 -> 500000000; anything else is left for the strict int check to accept or reject."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _infinity_is_never(value: Any) -> Any:
-    """steps_per_print: Infinity (accelerate writes float("inf")) means never, as None does."""
-    return None if isinstance(value, float) and value == float("inf") else value
-
-
-def _lower(value: Any) -> Any:
-    """DeepSpeed lower-cases these names before comparing them; so do we."""
-    return value.lower() if isinstance(value, str) else value
-
-
-def _lower_case_device(value: Any) -> Any:
-    """DeepSpeed's offload device is an enum of lower-case names: "CPU" is refused there, so here."""
-    if isinstance(value, str) and value != value.lower() and value.lower() in ("none", "cpu", "nvme"):
-        raise ValueError(f"device names are lower case, as in DeepSpeed: did you mean \"{value.lower()}\"?")
-    return value
-
-
-_DTYPE_NAMES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-}
-
-
-def _canonical_dtype(value: Any) -> Any:
-    """Accept DeepSpeed's dtype spellings ("float32", "torch.bfloat16", ...) as fp32/fp16/bf16."""
-    if isinstance(value, str):
-        return _DTYPE_NAMES.get(value.lower(), value)
-    return value
-
-
-def _even(value: int) -> int:
-    if value % 2:
-        raise ValueError("must be even (DeepSpeed's stage 1/2 all-gather splits it in halves)")
-    return value
-
-
-def _auto_or_names(value: Any) -> Any:
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return value
-    raise ValueError('expected "auto", null, or a list of module names')
-
-
-Int = Annotated[int, BeforeValidator(_whole_float_to_int)]
-DType = Annotated[Optional[Literal["fp32", "fp16", "bf16"]], BeforeValidator(_canonical_dtype)]
-Device = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(_lower_case_device)]
-
-
-class Section(BaseModel):
-    """Base of every config section: types are strict, and pydantic sees only known keys.
-
-    `renamed_keys` maps an old key name to its current name (applied, with a warning, by
-    `load_config` before validation); `removed_keys` maps a key DeepSpeed removed to
-    (the feature it configured, what to do). `deepspeed_ignores_unknown` says whether DeepSpeed
-    0.19.8 reads the section with dict.get (an unknown key is ignored there) rather than with a
-    pydantic model that forbids extra keys; load_config's policy for unknown keys follows it
-    (see [Note: unknown keys] in zerodp/config/unknown.py).
-    """
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    renamed_keys: ClassVar[dict[str, str]] = {}
-    removed_keys: ClassVar[dict[str, tuple[str, str]]] = {}
-    deepspeed_ignores_unknown: ClassVar[bool] = False
-    own_section: ClassVar[bool] = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _deprecated_names(cls, data: Any) -> Any:
-        """A section built directly (not by load_config) takes its deprecated names too."""
-        return upgrade_for_model(cls.renamed_keys, data)
-
-
-def _short_name(field: str) -> Any:
-    """A read-only property exposing `field` under DeepSpeed's short attribute name."""
-    return property(lambda self: getattr(self, field), doc=f"DeepSpeed's attribute name for `{field}`.")
-
-
-def _alias(name: str, short: str) -> AliasChoices:
-    """Accept both DeepSpeed spellings of a key (e.g. stage3_prefetch_bucket_size / prefetch_bucket_size)."""
-    return AliasChoices(name, short)
+from zerodp.config.section import (DType, Device, Int, Section, alias, auto_or_names, even, infinity_is_never, lower,
+                                   short_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +78,7 @@ class DataTypesConfig(Section):
     param_dtype: DType = None
     buffer_dtype: DType = None  # None keeps buffers at their loaded dtype
     # "auto" here is a real DeepSpeed value, not a Hugging Face placeholder.
-    keep_in_fp32_modules: Annotated[Any, AfterValidator(_auto_or_names)] = "auto"
+    keep_in_fp32_modules: Annotated[Any, AfterValidator(auto_or_names)] = "auto"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +175,7 @@ class ZeroConfig(Section):
     use_multi_rank_bucket_allreduce: bool = True
     allgather_partitions: bool = True
     # DeepSpeed asserts evenness only at stages 1/2; zerodp checks it at every stage.
-    allgather_bucket_size: Annotated[Int, AfterValidator(_even)] = Field(500_000_000, gt=0)
+    allgather_bucket_size: Annotated[Int, AfterValidator(even)] = Field(500_000_000, gt=0)
     # [docs vs code] the docs say false; the code's None becomes True at stage 3, else False.
     overlap_comm: Optional[bool] = None
     compute_grad_norm: bool = True  # False only at stages 1/2 (load_config checks)
@@ -285,29 +187,29 @@ class ZeroConfig(Section):
     sub_group_size: Int = Field(1_000_000_000, ge=0)
     # [docs vs code] the docs say 5e8; the code has been 5e7 since at least v0.10.
     stage3_prefetch_bucket_size: Int = Field(
-        50_000_000, ge=0, validation_alias=_alias("stage3_prefetch_bucket_size", "prefetch_bucket_size"))
+        50_000_000, ge=0, validation_alias=alias("stage3_prefetch_bucket_size", "prefetch_bucket_size"))
     # [docs vs code] the docs JSON example shows 1e6.
     stage3_param_persistence_threshold: Int = Field(
         100_000, ge=0,
-        validation_alias=_alias("stage3_param_persistence_threshold", "param_persistence_threshold"))
+        validation_alias=alias("stage3_param_persistence_threshold", "param_persistence_threshold"))
     stage3_model_persistence_threshold: Int = Field(
         sys.maxsize, ge=0,
-        validation_alias=_alias("stage3_model_persistence_threshold", "model_persistence_threshold"))
+        validation_alias=alias("stage3_model_persistence_threshold", "model_persistence_threshold"))
     stage3_max_live_parameters: Int = Field(
-        1_000_000_000, ge=0, validation_alias=_alias("stage3_max_live_parameters", "max_live_parameters"))
+        1_000_000_000, ge=0, validation_alias=alias("stage3_max_live_parameters", "max_live_parameters"))
     stage3_max_reuse_distance: Int = Field(
-        1_000_000_000, ge=0, validation_alias=_alias("stage3_max_reuse_distance", "max_reuse_distance"))
+        1_000_000_000, ge=0, validation_alias=alias("stage3_max_reuse_distance", "max_reuse_distance"))
     stage3_gather_16bit_weights_on_model_save: bool = Field(
-        False, validation_alias=_alias("stage3_gather_16bit_weights_on_model_save",
+        False, validation_alias=alias("stage3_gather_16bit_weights_on_model_save",
                                        "gather_16bit_weights_on_model_save"))
     stage3_module_granularity_threshold: Int = Field(
         0, ge=0,
-        validation_alias=_alias("stage3_module_granularity_threshold", "module_granularity_threshold"))
+        validation_alias=alias("stage3_module_granularity_threshold", "module_granularity_threshold"))
     stage3_use_all_reduce_for_fetch_params: bool = Field(
-        False, validation_alias=_alias("stage3_use_all_reduce_for_fetch_params",
+        False, validation_alias=alias("stage3_use_all_reduce_for_fetch_params",
                                        "use_all_reduce_for_fetch_params"))
     stage3_allgather_sequential: bool = Field(
-        False, validation_alias=_alias("stage3_allgather_sequential", "allgather_sequential"))
+        False, validation_alias=alias("stage3_allgather_sequential", "allgather_sequential"))
     ignore_unused_parameters: bool = True
     legacy_stage1: bool = False  # DeepSpeed raises if true; so does load_config
     round_robin_gradients: bool = False
@@ -332,15 +234,15 @@ class ZeroConfig(Section):
     zenflow: Optional[dict[str, Any]] = None  # ZenFlow: accepted only when absent
 
     # DeepSpeed's own attribute names for the stage-3 keys (read-only views).
-    prefetch_bucket_size = _short_name("stage3_prefetch_bucket_size")
-    param_persistence_threshold = _short_name("stage3_param_persistence_threshold")
-    model_persistence_threshold = _short_name("stage3_model_persistence_threshold")
-    max_live_parameters = _short_name("stage3_max_live_parameters")
-    max_reuse_distance = _short_name("stage3_max_reuse_distance")
-    gather_16bit_weights_on_model_save = _short_name("stage3_gather_16bit_weights_on_model_save")
-    module_granularity_threshold = _short_name("stage3_module_granularity_threshold")
-    use_all_reduce_for_fetch_params = _short_name("stage3_use_all_reduce_for_fetch_params")
-    allgather_sequential = _short_name("stage3_allgather_sequential")
+    prefetch_bucket_size = short_name("stage3_prefetch_bucket_size")
+    param_persistence_threshold = short_name("stage3_param_persistence_threshold")
+    model_persistence_threshold = short_name("stage3_model_persistence_threshold")
+    max_live_parameters = short_name("stage3_max_live_parameters")
+    max_reuse_distance = short_name("stage3_max_reuse_distance")
+    gather_16bit_weights_on_model_save = short_name("stage3_gather_16bit_weights_on_model_save")
+    module_granularity_threshold = short_name("stage3_module_granularity_threshold")
+    use_all_reduce_for_fetch_params = short_name("stage3_use_all_reduce_for_fetch_params")
+    allgather_sequential = short_name("stage3_allgather_sequential")
 
     @model_validator(mode="before")
     @classmethod
@@ -501,16 +403,16 @@ class ZeroDPConfig(Section):
     gradient_clipping: float = Field(1.0, ge=0, allow_inf_nan=False)  # [changed] 0.0 before v0.19.3 (#8068); 0 disables
     prescale_gradients: bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0, allow_inf_nan=False)
-    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(_lower)] = "mean"
+    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(lower)] = "mean"
     # None = derive from the precision regime.
-    communication_data_type: Annotated[Optional[Literal["fp32", "fp16", "bf16"]], BeforeValidator(_lower)] = None
+    communication_data_type: Annotated[Optional[Literal["fp32", "fp16", "bf16"]], BeforeValidator(lower)] = None
     disable_allgather: bool = False
     zero_allow_untested_optimizer: bool = False
     zero_force_ds_cpu_optimizer: bool = True
     dataloader_drop_last: bool = False
 
     # Logging and diagnostics
-    steps_per_print: Annotated[Optional[Int], BeforeValidator(_infinity_is_never)] = Field(None, gt=0)  # [changed] [docs vs code] docs still say 10; Infinity = never
+    steps_per_print: Annotated[Optional[Int], BeforeValidator(infinity_is_never)] = Field(None, gt=0)  # [changed] [docs vs code] docs still say 10; Infinity = never
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     dump_state: bool = False
@@ -550,7 +452,7 @@ class ZeroDPConfig(Section):
     weight_quantization: Optional[dict[str, Any]] = None
     datastates: Optional[dict[str, Any]] = None
     sequence_parallel_size: Int = Field(1, ge=1)  # Ulysses: ranks sharing one sequence (zerodp/sequence/)
-    seq_parallel_comm_data_type: Annotated[Literal["fp32", "fp16", "bf16"], BeforeValidator(_lower)] = "fp32"
+    seq_parallel_comm_data_type: Annotated[Literal["fp32", "fp16", "bf16"], BeforeValidator(lower)] = "fp32"
     use_data_before_expert_parallelism: bool = False
 
     # Set by load_config (not config keys).
