@@ -264,6 +264,25 @@ def test_plan_proposes_the_smallest_s_when_the_sequence_not_the_model_does_not_f
     assert json.loads(capsys.readouterr().out)["sequence_parallel"] == 1
 
 
+def test_plan_prices_the_all_to_alls_inside_the_sequence_group(llama) -> None:
+    """S = 2 on 2 nodes of 2 ranks: the simulated step's all-to-alls cost half their bytes at the node's
+    bandwidth plus a latency per call, not a ring over the 4 ranks at the inter-node bandwidth."""
+    from zerodp.plan.cluster import gpu_cluster
+    from zerodp.plan.planner import plan
+    from zerodp.plan.workload import workload
+
+    cluster = gpu_cluster("cpu", gpus_per_node=2, nodes=2, intra_node_bandwidth=1e6, inter_node_bandwidth=1e5)
+    result = plan(workload(llama), cluster, SEQ, 4, "bf16", ("none",), sequence_parallel=2)
+    assert result.candidates
+    for c in result.candidates:
+        handed = 2 * 2 * 2 * MICRO * (SEQ // 2) * 8 * (4 + 4 + 4) * c.accumulation  # 2 layers x fwd+bwd, bf16
+        calls = 2 * 2 * 4 * c.accumulation  # q, k, v and the output, forward and backward, per layer
+        assert c.micro_batch == MICRO and c.sequence_parallel == 2
+        assert c.time.all_to_all == pytest.approx(handed / 2 / 1e6 + calls * 1e-4)  # 0.0262 s
+        assert c.time.all_to_all < handed * 3 / 4 / 1e5 / 10  # the old price: 0.369 s
+        assert c.as_dict()["step_seconds"]["all_to_all"] == c.time.all_to_all
+
+
 def test_plan_refuses_a_size_the_ranks_do_not_take(llama, capsys) -> None:
     assert main(["plan", llama, "--gpu", "cpu", "--gpus-per-node", "4", "--seq-len", "64", "--global-batch", "4",
                  "--sequence-parallel", "3"]) == 2

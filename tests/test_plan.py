@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from zerodp.cli import main
-from zerodp.plan.cluster import Cluster, Work, step_time
+from zerodp.plan.cluster import Cluster, StepTime, Work, step_time
 
 
 def test_step_time_adds_its_parts_by_hand() -> None:
@@ -24,6 +25,56 @@ def test_step_time_adds_its_parts_by_hand() -> None:
     offloaded = step_time(Work(1e12, 2, {}, {}, 2_000_000, 10**8, 10**8, "cpu", "cpu"), cluster)
     assert offloaded.optimizer == pytest.approx(2_000_000 / (4e6 / 4))  # the node's cores shared by its 4 ranks
     assert offloaded.offload == pytest.approx((2 * 10**8 + 2 * 2 * 10**8) / 1e9)  # grads down, params up; fetches
+
+
+# Ulysses' all-to-alls: priced inside their group of S ranks ([Note: pricing Ulysses' all-to-all])
+HANDED, CALLS = 8e9, 4  # bytes each rank hands to all-to-alls in one step, and its calls
+LINKS = dict(intra_node_bandwidth=100e9, inter_node_bandwidth=10e9, collective_latency=0.001)
+
+
+def _exchange(sp: int, **cluster: int) -> "StepTime":
+    work = Work(1e12, 1, {"all_to_all": HANDED}, {"all_to_all": CALLS}, 0, 0, 0, sequence_parallel=sp)
+    return step_time(work, Cluster(**LINKS, **cluster))
+
+
+@pytest.mark.parametrize("sp, sent", [(2, 1 / 2), (4, 3 / 4)])
+def test_an_all_to_all_within_a_node_sends_s_minus_1_over_s_at_the_node_s_bandwidth(sp, sent) -> None:
+    for nodes in (1, 2):  # the group is 2 or 4 consecutive ranks of one node either way
+        t = _exchange(sp, gpus_per_node=8, nodes=nodes)
+        assert t.all_to_all == pytest.approx(HANDED * sent / 100e9 + CALLS * 0.001)  # S=2: 0.044 s, S=4: 0.064 s
+        assert t.communication == t.exposed_communication == t.all_to_all  # the attention waits for it
+
+
+def test_an_all_to_all_across_nodes_sends_each_peer_s_share_over_its_own_link() -> None:
+    """S = 8 over 2 nodes of 4: each rank sends 3/8 to its node's peers (3e9 B at 100 GB/s = 0.03 s) and,
+    at the same time, 4/8 to the other node's (4e9 B at 10 GB/s = 0.4 s): the slower, 0.4 s, + 4 calls."""
+    assert _exchange(8, gpus_per_node=4, nodes=2).all_to_all == pytest.approx(0.4 + 0.004)
+    # groups of 4 on nodes of 6: ranks 4-7 straddle nodes 0 and 1, 2 + 2; each sends 2/4 off its node
+    assert _exchange(4, gpus_per_node=6, nodes=2).all_to_all == pytest.approx(HANDED * 2 / 4 / 10e9 + 0.004)
+    from zerodp.plan.cluster import sequence_group_peers
+
+    assert sequence_group_peers(4, 6, 12) == {(3, 0), (1, 2)}
+    assert sequence_group_peers(8, 4, 8) == {(3, 4)}
+
+
+def test_the_all_to_all_is_no_longer_priced_as_a_ring_over_every_rank() -> None:
+    """S = 2 on 2 nodes of 8: the old price was (16-1)/16 of the bytes at the inter-node bandwidth, 0.754 s."""
+    ring_over_all_ranks = HANDED * 15 / 16 / 10e9 + CALLS * 0.001
+    t = _exchange(2, gpus_per_node=8, nodes=2)
+    assert t.communication == pytest.approx(0.044) and t.communication < ring_over_all_ranks / 10
+    # ZeRO's collectives beside it stay rings over all ranks, and only they hide behind compute
+    cluster = Cluster(gpus_per_node=8, nodes=2, peak_flops=1e12, efficiency=1.0, micro_batch_overhead=0.0,
+                      overlap=0.5, **LINKS)
+    work = Work(1e12, 1, {"all_to_all": HANDED, "all_gather": 1e9}, {"all_to_all": CALLS, "all_gather": 2}, 0, 0, 0,
+                sequence_parallel=2)
+    t = step_time(work, cluster)
+    ring = 1e9 * 15 / 16 / 10e9 + 2 * 0.001
+    assert t.communication == pytest.approx(ring + 0.044) and t.all_to_all == pytest.approx(0.044)
+    assert t.exposed_communication == pytest.approx(ring * 0.5 + 0.044)
+    assert t.as_dict()["all_to_all"] == t.all_to_all  # --json's step_seconds
+    # without sequence parallelism an all_to_all (none the plan runs today) is priced as before
+    plain = step_time(replace(work, sequence_parallel=1), cluster)
+    assert plain.all_to_all == 0 and plain.communication == pytest.approx(ring + ring_over_all_ranks)
 
 
 def test_plan_picks_what_fits_and_writes_a_config_zerodp_accepts(tmp_path, capsys) -> None:

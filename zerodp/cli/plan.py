@@ -206,18 +206,21 @@ def _print_plan(args: argparse.Namespace, result: "Plan") -> None:
           f"{args.dtype}" + (f", sequence parallel {result.sequence_parallel}" if result.sequence_parallel > 1 else ""))
     if not result.candidates:
         print(f"nothing fits: {result.why()}")
+    split = result.sequence_parallel > 1  # a column for Ulysses' all-to-alls, a part of comm
     head = f"  {'#':>2} {'strategy':<44} {'micro x acc':>11} {'peak':>9} {'step s':>8} {'compute':>8} {'comm':>8} " \
-           f"{'optim':>8} {'offload':>8}"
+           + (f"{'a2a':>8} " if split else "") + f"{'optim':>8} {'offload':>8}"
     if result.candidates:
         print(head)
     for i, cand in enumerate(result.candidates[:args.top], 1):
         t = cand.time
         print(f"  {i:>2} {cand.describe():<44} {f'{cand.micro_batch} x {cand.accumulation}':>11} "
               f"{decimal_size(cand.peak_bytes):>9} {t.total:>8.3g} {t.compute:>8.3g} {t.exposed_communication:>8.3g} "
-              f"{t.optimizer:>8.3g} {t.offload:>8.3g}")
+              + (f"{t.all_to_all:>8.3g} " if split else "") + f"{t.optimizer:>8.3g} {t.offload:>8.3g}")
     if result.candidates:
         print(f"why: {result.why()}")
-        print("comm: communication not hidden behind compute; step times are predictions (zerodp/plan/cluster.py: the step-time "
+        print("comm: communication not hidden behind compute" + (
+              f", a2a of it Ulysses' all-to-alls inside groups of {result.sequence_parallel} ranks" if split else "") +
+              "; step times are predictions (zerodp/plan/cluster.py: the step-time "
               f"model); {result.simulations} simulated steps, {len(result.left_out)} candidates left out (--json lists why)")
     best = result.candidates[0] if result.candidates else None
     if best is not None and best.activation_checkpointing != "none":

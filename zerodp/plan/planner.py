@@ -378,7 +378,7 @@ class _Search:
         w = DTYPES[s.dtype]
         shard = self.numel if s.stage == 0 else math.ceil(self.numel / self.cluster.world_size)
         return Work(self.flops(policy, micro_batch), self.per_rank // micro_batch, comm_bytes, comm_calls, shard,
-                    w * shard, w * shard, s.offload_optimizer, s.offload_param)
+                    w * shard, w * shard, s.offload_optimizer, s.offload_param, self.sp)
 
     def _candidate(self, s: StrategySpec, policy: str, micro_batch: int) -> Candidate:
         sim = self._simulate(s, policy, micro_batch)
