@@ -118,6 +118,60 @@ def test_every_getter_is_bitwise_the_unpartitioned_tensor(stage: int, offload: s
     assert ranks[0][0]["fc1.weight/exp_avg"][1] is None and ranks[0][2]["fc1.weight/exp_avg"][1] is not None
 
 
+def _before_the_reduction(rank: int, world: int, stage: int, precision: str) -> list:
+    """safe_get_full_grad inside no_sync and between micro-batches, against this rank's own gradients
+    summed (DeepSpeed's test_no_sync_ctxt: two no_sync blocks with zero_grad between read the same)."""
+    from zerodp.zero import fragments
+
+    engine = _engine(stage, None, precision)
+    named = dict(engine.module.named_parameters())
+    ref = make_model()
+    ref.to(next(iter(named.values())).dtype)
+    reads = []
+    for block in range(2):
+        engine.zero_grad()
+        own = {name: None for name in named}
+        with engine.no_sync():
+            for micro in range(2):
+                engine.backward(engine(*batch(rank, micro, 0)))
+                grads = torch.autograd.grad(ref(*batch(rank, micro, 0)), list(ref.parameters()))
+                own = {n: g if own[n] is None else own[n] + g for n, g in zip(named, grads)}
+                reads.append([(fragments.safe_get_full_grad(p), own[n]) for n, p in named.items()])
+    return reads
+
+
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "fp32"), (1, "bf16")])
+def test_before_the_reduction_the_full_grad_is_this_ranks_own_accumulated_gradient(stage: int,
+                                                                                    precision: str) -> None:
+    for reads in run_ranks(_before_the_reduction, 2, args=(stage, precision), timeout=120):
+        for moment, pairs in enumerate(reads):
+            for got, own in pairs:
+                assert got is not None and got.shape == own.shape, moment
+                if precision == "fp32":  # the same sums in the same order: bitwise
+                    assert torch.equal(got, own), moment
+                else:  # bf16 sums of bf16 gradients, in a different order than autograd.grad
+                    torch.testing.assert_close(got.float(), own.float(), rtol=2e-2, atol=1e-3)
+        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(reads[0], reads[2]))  # zero_grad started over
+
+
+def _stage2_between_micro_batches(rank: int, world: int) -> list:
+    from zerodp.zero import fragments
+    import zerodp
+
+    model = make_model()
+    engine, *_ = zerodp.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.backward(engine(*batch(rank, 0, 0)))
+    return [fragments.safe_get_full_grad(p) for p in engine.module.parameters()]
+
+
+def test_at_stage_2_between_micro_batches_there_is_no_gradient_to_read() -> None:
+    """Stage 2 reduces every backward into owned shards: no whole local gradient exists to return."""
+    for grads in run_ranks(_stage2_between_micro_batches, 2, timeout=120):
+        assert grads and all(g is None for g in grads)
+
+
 def _local_setters(rank: int, world: int, stage: int) -> tuple:
     from zerodp.zero import GatheredParameters, fragments
 

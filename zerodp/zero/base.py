@@ -320,6 +320,12 @@ class Strategy(abc.ABC):
         """This rank's part of trainable `param` (views of live storage)."""
         raise NotImplementedError(f"{type(self).__name__} does not provide the tensor-fragment API")
 
+    def local_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """This rank's own accumulated gradient of `param`, not yet reduced (a view, `param`'s shape):
+        at stages 0 and 1 after a backward and before the reduction (inside `no_sync`, between the
+        micro-batches of an accumulation), where DeepSpeed's `param.grad` holds it. None elsewhere."""
+        return None
+
     def fragment_spans(self, param: torch.Tensor) -> list[tuple[int, int]] | None:
         """(offset, numel) of the part of `param` each rank of `fragment_group()` holds, in group-rank
         order; None when every rank holds all of it (nothing is partitioned)."""

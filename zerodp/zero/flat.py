@@ -27,6 +27,7 @@ class FlatGradBuffer:
         self.offsets = dict(zip(params, offsets))
         self.buffer = torch.zeros(numel, dtype=dtype, device=device)
         self.hooked = any(p.dtype != dtype for p in params)  # see [Note: gradient views]
+        self.folded = False  # whether a backward added to it since the last zero()
         self.reset_grads()
 
     def view(self, p: nn.Parameter) -> torch.Tensor:
@@ -37,6 +38,7 @@ class FlatGradBuffer:
     def fold(self, p: nn.Parameter) -> None:
         """Called from `p`'s post-accumulate-grad hook: make sure its gradient is in the buffer."""
         view = self.view(p)
+        self.folded = True
         if self.hooked:
             view.add_(p.grad)  # this backward's contribution only: .grad was None before it
             p.grad = None
@@ -54,6 +56,7 @@ class FlatGradBuffer:
     def zero(self) -> None:
         """Start accumulating a new optimizer step."""
         self.buffer.zero_()
+        self.folded = False
         self.reset_grads()
 
 

@@ -22,8 +22,10 @@ copy too, without communication. "local" getters and setters work on this rank's
 is partitioned); `safe_set_local_fp32_param` gathers the new masters to refresh the working copy,
 so it is a collective at stages 1-3.
 
-Gradients exist between the boundary backward (which reduces them) and the step; elsewhere the
-getters return None, as DeepSpeed does for a gradient it does not hold. They come in the gradient
+Gradients exist between the boundary backward (which reduces them) and the step. Before the reduction
+at stages 0-1 (inside `no_sync`, between the micro-batches of an accumulation) `safe_get_full_grad`
+returns this rank's own accumulated gradient, unreduced, as DeepSpeed returns `param.grad` there;
+elsewhere the getters return None, as DeepSpeed does for a gradient it does not hold. They come in the gradient
 accumulation dtype (`data_types.grad_accum_dtype`), loss-scaled under fp16 as DeepSpeed's are.
 Returned tensors are copies on the engine's device; a parameter no zerodp engine trains (frozen,
 forward only) gives None, and setting it is an error. NVMe optimizer offload is refused.
@@ -134,10 +136,15 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
 
 def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     """The parameter's reduced (averaged over ranks) gradient, whole, in its shape, between the boundary
-    backward and the step; None elsewhere. A collective at stages 1-3: every rank calls it."""
+    backward and the step (a collective at stages 1-3: every rank calls it). Before the reduction at
+    stages 0-1 (inside no_sync, between micro-batches) this rank's own accumulated gradient, as
+    DeepSpeed's `param.grad` (no communication); None elsewhere."""
     strategy = _strategy(param, "safe_get_full_grad", required=False)
-    if strategy is None or strategy.fragment(param).grad is None:  # the same answer on every rank
+    if strategy is None:
         return None
+    if strategy.fragment(param).grad is None:  # the same answer on every rank
+        local = strategy.local_grad(param)
+        return None if local is None else local.detach().to(strategy.device, copy=True)
     return _gather(strategy, param, lambda f: f.grad)
 
 

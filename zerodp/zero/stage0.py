@@ -241,6 +241,10 @@ class Stage0(Strategy):
         return Fragment(0, param.numel(), {"master": target.data.view(-1), **elementwise_state(self.optimizer, target)},
                         grad)
 
+    def local_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        accumulated = self.reduction is ReductionState.ACCUMULATING and self.grads.folded
+        return self.grads.view(param) if accumulated else None
+
     # --- checkpoints ------------------------------------------------------------------------------
 
     def pieces(self, saving: bool) -> list[Piece]:

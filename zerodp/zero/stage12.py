@@ -285,6 +285,12 @@ class Stage12(Strategy):
         grad = fg.owned_grad[lo : lo + s.numel] if self.grads_reduced() else None
         return Fragment(s.param_offset, s.numel, {k: v[lo : lo + s.numel] for k, v in state.items()}, grad)
 
+    def local_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """Stage 1's full-size buffer before the reduce-scatter (stage 2 reduces every backward: None)."""
+        flat_grad = self.group_of[param].flat_grad
+        accumulated = flat_grad is not None and flat_grad.folded and not self.grads_reduced()
+        return flat_grad.view(param) if accumulated else None
+
     def fragment_spans(self, param: torch.Tensor) -> list[tuple[int, int]]:
         fg = self.group_of[param]
         index = index_of(fg.params, param)
