@@ -88,6 +88,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def _model(args: argparse.Namespace, problems: list[str]) -> tuple[Any, Any, int | None]:
     """The workload and its module on the meta device (MODEL), and the trainable parameters (either)."""
+    from zerodp.cli.common import quantize_from_flags
     from zerodp.plan.workload import workload
     from zerodp.sizes import parse_count
 
@@ -106,52 +107,11 @@ def _model(args: argparse.Namespace, problems: list[str]) -> tuple[Any, Any, int
     if module is None:
         args.quantization = args.quantization or "none"
     else:
-        _quantize(args, module, problems)
+        quantize_from_flags(args, module, problems, "estimate")  # the QLoRA model, as plan reads it
         numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
     if args.params is not None and numel is None:
         problems.append(f"--params {args.params!r}: expected a number of parameters such as 7.5e9 or 7B")
     return work, module, numel
-
-
-def _quantize(args: argparse.Namespace, module: Any, problems: list[str]) -> None:
-    """--quantization nf4: make the meta model the one QLoRA trains (zerodp/plan/quantized.py)."""
-    from zerodp.plan.model_states import DTYPES
-    from zerodp.cli.common import qlora_from_flags
-    from zerodp.plan.quantized import apply_qlora
-
-    _resolve_quantization(args, module, problems)
-    if args.quantization == "none":
-        return
-    try:
-        apply_qlora(module, qlora_from_flags(args), DTYPES[args.dtype])
-    except ValueError as err:
-        problems.append(str(err))
-
-
-def _resolve_quantization(args: argparse.Namespace, module: Any, problems: list[str]) -> None:
-    """--quantization, else the model config's quantization_config (with its double quantization): the flag
-    wins, a config quantized otherwise than the flag says, or stored in another dtype than --dtype, is refused."""
-    from zerodp.plan.quantized import STORAGE_OF, config_quantization
-
-    found = config_quantization(module)
-    if args.quantization is None:
-        args.quantization = found.quantization if found is not None else "none"
-        if found is not None and found.quantization != "nf4":
-            problems.append(f"MODEL {args.model}: its quantization_config is {found.quantization}; zerodp estimate "
-                            "counts nf4 (bitsandbytes 4-bit) only: give --quantization none to estimate the model "
-                            "unquantized")
-            args.quantization = "none"
-    elif found is not None and args.quantization == "nf4" and found.quantization != "nf4":
-        problems.append(f"--quantization nf4: MODEL {args.model}'s quantization_config is {found.quantization}, not "
-                        "nf4; drop the flag, or give --quantization none to estimate the model unquantized")
-    if args.quantization != "nf4" or found is None:
-        return
-    args.double_quant = args.double_quant or found.double_quant
-    if found.storage != STORAGE_OF[args.dtype]:
-        problems.append(f"MODEL {args.model}: quantization_config bnb_4bit_quant_storage is {found.storage}, but "
-                        f"--dtype {args.dtype} trains in {STORAGE_OF[args.dtype]}: zerodp refuses a 4-bit storage "
-                        f"other than the training dtype (it would change the packed codes; uint8 works at stages 0-2 "
-                        f"only); set bnb_4bit_quant_storage to {STORAGE_OF[args.dtype]}, or give --dtype to match")
 
 
 def _counts(args: argparse.Namespace, problems: list[str]) -> tuple[int | None, int | None, int | None]:
