@@ -108,6 +108,18 @@ def test_hpz_bytes_by_link_on_4_ranks_as_2_nodes(llama, monkeypatch) -> None:
         assert row["comm_ops"] == runs[name]["ops"], rank
     links = row["comm_ops"]["all_gather[int8]"]["link_bytes"]
     assert links["inter_node"] > 0 and links["intra_node"] > 0
+    assert row["by_category"] == real[0][name]["held"]
+    # the preflight (zerodp/plan/preflight.py) counts the secondary copy from the run's own config too
+    from zerodp.config import load_config
+    from zerodp.plan.model_states import strategy_config
+    from zerodp.plan.preflight import device_bytes, strategy_of
+    from zerodp.plan.workload import workload
+
+    config = strategy_config(STAGE3, MICRO)
+    config["zero_optimization"].update(CASES[name].zero_keys(STAGE3))
+    config = load_config(config, world_size=4)
+    module = workload(llama).meta()
+    assert device_bytes(config, module, set(module.parameters()), 4, strategy_of(config)) == row["model_states_bytes"]
 
 
 def test_the_flags_reach_the_rows_and_the_runtime_s_refusals_are_kept(llama, capsys) -> None:
