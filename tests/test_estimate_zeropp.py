@@ -124,7 +124,8 @@ def test_hpz_bytes_by_link_on_4_ranks_as_2_nodes(llama, monkeypatch) -> None:
 
 def test_the_flags_reach_the_rows_and_the_runtime_s_refusals_are_kept(llama, capsys) -> None:
     """Model states: hpZ adds param_secondary at stage 3 only, leaves out the rows that offload parameters (hpZ
-    refuses them), and an S that does not divide the ranks is refused naming the flag."""
+    refuses them); an S that does not divide the ranks, and ZeRO++ with sequence parallelism, are refused naming
+    the flags."""
     def rows(*flags: str) -> dict:
         assert main(["estimate", llama, "--world-size", "4", "--model-states-only", "--json", *flags]) == 0
         return {(r["stage"], r["offload_optimizer"], r["offload_param"]): r for r in json.loads(capsys.readouterr().out)}
@@ -138,3 +139,6 @@ def test_the_flags_reach_the_rows_and_the_runtime_s_refusals_are_kept(llama, cap
         assert row["zeropp"] == ({"zero_quantized_weights": True, "zero_hpz_partition_size": 2} if key[0] == 3 else {})
     assert main(["estimate", llama, "--world-size", "4", "--zero-hpz-partition-size", "3"]) == 2
     assert "--zero-hpz-partition-size 3 does not divide --world-size 4" in capsys.readouterr().err
+    assert main(["estimate", llama, "--world-size", "4", "--sequence-parallel", "2", "--zero-quantized-gradients"]) == 2
+    assert "with --sequence-parallel 2: the runtime does not build ZeRO++ with sequence parallelism" in \
+        capsys.readouterr().err

@@ -209,9 +209,10 @@ def _zeropp(args: argparse.Namespace, world: int | None, sp: int, problems: list
 
 def _estimate(args: argparse.Namespace, numel: int, world: int, largest: int, module: Any, work: Any,
               micro_batch: int, seq_len: int | None, policies: tuple[str, ...],
-              sp: int = 1, zeropp: Any = None) -> tuple[list[dict], int | None] | None:
-    """The rows and the sequence length they were simulated at (None: model states only, also when the
-    simulation is unavailable here); None when the model's own forward refused the input (said on stderr)."""
+              sp: int, zeropp: Any) -> tuple[list[dict], int | None] | None:
+    """The rows (Ulysses over `sp` ranks, the ZeRO++ keys of `zeropp`: zerodp/plan/zeropp.py) and the sequence
+    length they were simulated at (None: model states only, also when the simulation is unavailable here);
+    None when the model's own forward refused the input (said on stderr)."""
     from zerodp.plan.estimate import estimate_rows
     from zerodp.plan.simulate import SimulationUnavailable
 
