@@ -48,12 +48,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     estimate.add_argument("--sequence-parallel", default="1", metavar="S",
                           help="Ulysses sequence parallelism: each sequence split over S of the --world-size ranks "
                                "(sequence_parallel_size; a Hugging Face model whose heads S splits; default 1)")
-    estimate.add_argument("--zero-quantized-weights", action="store_true",
-                          help="ZeRO++ qwZ at stage 3: the forward and backward all-gathers send int8 blocks of 256 "
-                               "with one fp32 scale each (zero_quantized_weights)")
-    estimate.add_argument("--zero-quantized-gradients", action="store_true",
-                          help="ZeRO++ qgZ at stage 3: the gradient reduce-scatter becomes an all-to-all of int8 blocks "
-                               "and scales (zero_quantized_gradients)")
+    for what, text in (("weights", "qwZ at stage 3: the forward and backward all-gathers send int8 blocks of 256 "
+                                   "with one fp32 scale each"),
+                       ("gradients", "qgZ at stage 3: the gradient reduce-scatter becomes an all-to-all of int8 "
+                                     "blocks and scales")):
+        estimate.add_argument(f"--zero-quantized-{what}", action="store_true",
+                              help=f"ZeRO++ {text} (zero_quantized_{what})")
     estimate.add_argument("--zero-hpz-partition-size", default="1", metavar="S",
                           help="ZeRO++ hpZ at stage 3: a secondary copy of the parameters over S ranks (the ranks per "
                                "node; zero_hpz_partition_size; default 1: none); bytes by link count nodes of S ranks")
