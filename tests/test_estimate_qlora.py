@@ -183,3 +183,36 @@ def test_plan_costs_candidates_with_the_quantized_model(tmp_path, capsys) -> Non
         assert estimated[strategy]["model_states_bytes"] < c["peak_bytes"] < full[strategy]["model_states_bytes"], \
             strategy
     assert candidates["stage 0"]["comm_bytes"] == 4 * estimated["stage 0"]["trainable_params"]
+
+
+def test_plan_reads_the_model_config_s_quantization_config_as_estimate_does(tmp_path, capsys) -> None:
+    """`zerodp plan` on a config.json with bitsandbytes' nf4 quantization_config plans the QLoRA model (with the
+    config's double quantization), as the flags would; an explicit --quantization none wins."""
+    model = _quantized_llama(tmp_path)
+    argv = ["plan", model, "--gpu", "cpu", "--gpus-per-node", "2", "--seq-len", "16", "--global-batch", "2",
+            "--activation-checkpointing", "none", "--lora-rank", "4", "--top", "1", "--json"]
+
+    def candidates(*flags: str) -> list[dict]:
+        assert main([*argv, *flags]) == 0
+        return json.loads(capsys.readouterr().out)["candidates"]
+
+    from_config, from_flags = candidates(), candidates("--quantization", "nf4", "--double-quant")
+    assert from_config == from_flags
+    full = candidates("--quantization", "none")
+    assert full[0]["strategy"] == from_config[0]["strategy"] and full[0]["comm_bytes"] > from_config[0]["comm_bytes"]
+
+
+@pytest.mark.parametrize("quantization,argv,message", [
+    ({"load_in_4bit": False, "load_in_8bit": True}, ["--quantization", "nf4"],
+     "--quantization nf4: MODEL .*'s quantization_config is int8 \\(load_in_8bit\\), not nf4; drop the flag, or give "
+     "--quantization none to plan the model unquantized"),
+    ({"bnb_4bit_quant_type": "fp4"}, [], "its quantization_config is fp4; zerodp plan counts nf4 .* only"),
+    ({"bnb_4bit_quant_storage": "uint8"}, [], "bnb_4bit_quant_storage is uint8, but --dtype bf16 trains in bfloat16"),
+])
+def test_plan_refuses_a_conflicting_quantization_config_as_estimate_does(tmp_path, capsys, quantization: dict,
+                                                                         argv: list[str], message: str) -> None:
+    import re
+
+    assert main(["plan", _quantized_llama(tmp_path, **quantization), "--seq-len", "16", "--global-batch", "8",
+                 *argv]) == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -1,10 +1,10 @@
 """What every `zerodp` command shares: its exit codes, the parse of a whole-number flag, and the QLoRA
-flags `estimate` and `plan` both take."""
+flags `estimate` and `plan` both take (with the model config's quantization_config they fall back on)."""
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from zerodp.plan.quantized import QLoRA
@@ -34,3 +34,50 @@ def qlora_from_flags(args: argparse.Namespace) -> QLoRA:
         raise ValueError(f"--lora-rank {args.lora_rank}: expected a positive adapter rank such as 8 or 64")
     targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) or ("all-linear",)
     return QLoRA(rank, targets, args.double_quant)
+
+
+def resolve_quantization(args: argparse.Namespace, module: Any, problems: list[str], command: str) -> None:
+    """Set `args.quantization` (and `args.double_quant`) for `zerodp estimate` and `zerodp plan` (`command`):
+    --quantization, else `module`'s Hugging Face quantization_config (with its double quantization). The flag
+    wins; a config quantized otherwise than the flag says, or stored in another dtype than --dtype, is
+    refused (appended to `problems`, naming the key, the value and the fix)."""
+    from zerodp.plan.quantized import STORAGE_OF, config_quantization
+
+    found = config_quantization(module)
+    if args.quantization is None:
+        args.quantization = found.quantization if found is not None else "none"
+        if found is not None and found.quantization != "nf4":
+            problems.append(f"MODEL {args.model}: its quantization_config is {found.quantization}; zerodp {command} "
+                            f"counts nf4 (bitsandbytes 4-bit) only: give --quantization none to {command} the model "
+                            "unquantized")
+            args.quantization = "none"
+    elif found is not None and args.quantization == "nf4" and found.quantization != "nf4":
+        problems.append(f"--quantization nf4: MODEL {args.model}'s quantization_config is {found.quantization}, not "
+                        f"nf4; drop the flag, or give --quantization none to {command} the model unquantized")
+    if args.quantization != "nf4" or found is None:
+        return
+    args.double_quant = args.double_quant or found.double_quant
+    if found.storage != STORAGE_OF[args.dtype]:
+        problems.append(f"MODEL {args.model}: quantization_config bnb_4bit_quant_storage is {found.storage}, but "
+                        f"--dtype {args.dtype} trains in {STORAGE_OF[args.dtype]}: zerodp refuses a 4-bit storage "
+                        f"other than the training dtype (it would change the packed codes; uint8 works at stages 0-2 "
+                        f"only); set bnb_4bit_quant_storage to {STORAGE_OF[args.dtype]}, or give --dtype to match")
+
+
+def quantize_from_flags(args: argparse.Namespace, module: Any, problems: list[str], command: str) -> QLoRA | None:
+    """The QLoRA `zerodp estimate` / `zerodp plan` (`command`) count for `module` (on the meta device), from the
+    flags and the model's quantization_config (`resolve_quantization`), applied to `module`; None when the model
+    trains unquantized or a flag is wrong (appended to `problems`)."""
+    from zerodp.plan.model_states import DTYPES
+    from zerodp.plan.quantized import apply_qlora
+
+    resolve_quantization(args, module, problems, command)
+    if args.quantization == "none":
+        return None
+    try:
+        qlora = qlora_from_flags(args)
+        apply_qlora(module, qlora, DTYPES[args.dtype])
+    except ValueError as err:
+        problems.append(str(err))
+        return None
+    return qlora

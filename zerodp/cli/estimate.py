@@ -48,6 +48,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     estimate.add_argument("--sequence-parallel", default="1", metavar="S",
                           help="Ulysses sequence parallelism: each sequence split over S of the --world-size ranks "
                                "(sequence_parallel_size; a Hugging Face model whose heads S splits; default 1)")
+    for what, text in (("weights", "qwZ at stage 3: the forward and backward all-gathers send int8 blocks of 256 "
+                                   "with one fp32 scale each"),
+                       ("gradients", "qgZ at stage 3: the gradient reduce-scatter becomes an all-to-all of int8 "
+                                     "blocks and scales")):
+        estimate.add_argument(f"--zero-quantized-{what}", action="store_true",
+                              help=f"ZeRO++ {text} (zero_quantized_{what})")
+    estimate.add_argument("--zero-hpz-partition-size", default="1", metavar="S",
+                          help="ZeRO++ hpZ at stage 3: a secondary copy of the parameters over S ranks (the ranks per "
+                               "node; zero_hpz_partition_size; default 1: none); bytes by link count nodes of S ranks")
     estimate.add_argument("--json", action="store_true", help="print one JSON object per strategy and checkpointing policy")
     estimate.set_defaults(func=cmd_estimate)
 
@@ -60,10 +69,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     policies = _policies(args, problems)
     seq_len = _seq_len(args, work, module, problems)
     sp = _sequence_parallel(args, world, module, seq_len, problems)
+    zeropp = _zeropp(args, world, sp, problems)
     if problems:
         print("zerodp estimate: " + "; ".join(problems), file=sys.stderr)
         return EXIT_USAGE
-    estimated = _estimate(args, numel, world, largest, module, work, micro_batch, seq_len, policies, sp)
+    estimated = _estimate(args, numel, world, largest, module, work, micro_batch, seq_len, policies, sp, zeropp)
     if estimated is None:
         return EXIT_USAGE
     rows, seq_len = estimated
@@ -72,11 +82,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         return EXIT_OK
     _print_estimate(args, rows, numel, world, micro_batch, seq_len)
     _print_sequence_parallel(rows[0], micro_batch, seq_len)
+    _print_zeropp(rows, zeropp)
     return EXIT_OK
 
 
 def _model(args: argparse.Namespace, problems: list[str]) -> tuple[Any, Any, int | None]:
     """The workload and its module on the meta device (MODEL), and the trainable parameters (either)."""
+    from zerodp.cli.common import quantize_from_flags
     from zerodp.plan.workload import workload
     from zerodp.sizes import parse_count
 
@@ -95,52 +107,11 @@ def _model(args: argparse.Namespace, problems: list[str]) -> tuple[Any, Any, int
     if module is None:
         args.quantization = args.quantization or "none"
     else:
-        _quantize(args, module, problems)
+        quantize_from_flags(args, module, problems, "estimate")  # the QLoRA model, as plan reads it
         numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
     if args.params is not None and numel is None:
         problems.append(f"--params {args.params!r}: expected a number of parameters such as 7.5e9 or 7B")
     return work, module, numel
-
-
-def _quantize(args: argparse.Namespace, module: Any, problems: list[str]) -> None:
-    """--quantization nf4: make the meta model the one QLoRA trains (zerodp/plan/quantized.py)."""
-    from zerodp.plan.model_states import DTYPES
-    from zerodp.cli.common import qlora_from_flags
-    from zerodp.plan.quantized import apply_qlora
-
-    _resolve_quantization(args, module, problems)
-    if args.quantization == "none":
-        return
-    try:
-        apply_qlora(module, qlora_from_flags(args), DTYPES[args.dtype])
-    except ValueError as err:
-        problems.append(str(err))
-
-
-def _resolve_quantization(args: argparse.Namespace, module: Any, problems: list[str]) -> None:
-    """--quantization, else the model config's quantization_config (with its double quantization): the flag
-    wins, a config quantized otherwise than the flag says, or stored in another dtype than --dtype, is refused."""
-    from zerodp.plan.quantized import STORAGE_OF, config_quantization
-
-    found = config_quantization(module)
-    if args.quantization is None:
-        args.quantization = found.quantization if found is not None else "none"
-        if found is not None and found.quantization != "nf4":
-            problems.append(f"MODEL {args.model}: its quantization_config is {found.quantization}; zerodp estimate "
-                            "counts nf4 (bitsandbytes 4-bit) only: give --quantization none to estimate the model "
-                            "unquantized")
-            args.quantization = "none"
-    elif found is not None and args.quantization == "nf4" and found.quantization != "nf4":
-        problems.append(f"--quantization nf4: MODEL {args.model}'s quantization_config is {found.quantization}, not "
-                        "nf4; drop the flag, or give --quantization none to estimate the model unquantized")
-    if args.quantization != "nf4" or found is None:
-        return
-    args.double_quant = args.double_quant or found.double_quant
-    if found.storage != STORAGE_OF[args.dtype]:
-        problems.append(f"MODEL {args.model}: quantization_config bnb_4bit_quant_storage is {found.storage}, but "
-                        f"--dtype {args.dtype} trains in {STORAGE_OF[args.dtype]}: zerodp refuses a 4-bit storage "
-                        f"other than the training dtype (it would change the packed codes; uint8 works at stages 0-2 "
-                        f"only); set bnb_4bit_quant_storage to {STORAGE_OF[args.dtype]}, or give --dtype to match")
 
 
 def _counts(args: argparse.Namespace, problems: list[str]) -> tuple[int | None, int | None, int | None]:
@@ -218,11 +189,30 @@ def _sequence_parallel(args: argparse.Namespace, world: int | None, module: Any,
     return sp
 
 
+def _zeropp(args: argparse.Namespace, world: int | None, sp: int, problems: list[str]) -> Any:
+    """--zero-quantized-weights/-gradients and --zero-hpz-partition-size (zerodp/plan/zeropp.py), checked as the
+    runtime checks the keys."""
+    from zerodp.plan.zeropp import ZeroPlusPlus
+    from zerodp.sizes import parse_count
+
+    size = parse_count(args.zero_hpz_partition_size)
+    if size is None:
+        problems.append(f"--zero-hpz-partition-size {args.zero_hpz_partition_size}: expected a positive number of ranks")
+        size = 1
+    zeropp = ZeroPlusPlus(args.zero_quantized_weights, args.zero_quantized_gradients, size)
+    problems.extend(zeropp.problems(world))
+    if zeropp and sp > 1:
+        problems.append(f"--zero-quantized-weights/--zero-quantized-gradients/--zero-hpz-partition-size with "
+                        f"--sequence-parallel {sp}: the runtime does not build ZeRO++ with sequence parallelism; drop one")
+    return zeropp
+
+
 def _estimate(args: argparse.Namespace, numel: int, world: int, largest: int, module: Any, work: Any,
               micro_batch: int, seq_len: int | None, policies: tuple[str, ...],
-              sp: int = 1) -> tuple[list[dict], int | None] | None:
-    """The rows and the sequence length they were simulated at (None: model states only, also when the
-    simulation is unavailable here); None when the model's own forward refused the input (said on stderr)."""
+              sp: int, zeropp: Any) -> tuple[list[dict], int | None] | None:
+    """The rows (Ulysses over `sp` ranks, the ZeRO++ keys of `zeropp`: zerodp/plan/zeropp.py) and the sequence
+    length they were simulated at (None: model states only, also when the simulation is unavailable here);
+    None when the model's own forward refused the input (said on stderr)."""
     from zerodp.plan.estimate import estimate_rows
     from zerodp.plan.simulate import SimulationUnavailable
 
@@ -230,14 +220,14 @@ def _estimate(args: argparse.Namespace, numel: int, world: int, largest: int, mo
     progress = (lambda line: print(f"zerodp estimate: {line}", file=sys.stderr, flush=True)) if simulate else None
     try:
         rows = estimate_rows(numel, world, args.dtype, largest, module, simulate, micro_batch, seq_len or 0, policies,
-                             progress, quantization=args.quantization, sequence_parallel=sp)
+                             progress, quantization=args.quantization, sequence_parallel=sp, zeropp=zeropp)
     except ValueError as err:  # the model's own forward refused the input (a user's module:function)
         print(f"zerodp estimate: {err}", file=sys.stderr)
         return None
     except SimulationUnavailable as err:
         print(f"zerodp estimate: no peak estimate ({err}); model states only", file=sys.stderr)
         return estimate_rows(numel, world, args.dtype, largest, module, quantization=args.quantization,
-                             sequence_parallel=sp), None
+                             sequence_parallel=sp, zeropp=zeropp), None
     return rows, seq_len
 
 
@@ -300,3 +290,21 @@ def _print_sequence_parallel(row: dict, micro_batch: int, seq_len: int | None) -
         print(f"all-to-all per rank and micro-batch of {micro_batch}: {exchanged['forward_per_layer']:,} bytes per layer "
               f"forward (q, k, v, output), {exchanged['backward_per_layer']:,} backward, {exchanged['per_micro_batch']:,} "
               f"over {exchanged['layers']} layers ({(sp - 1) / sp:.0%} of it leaves the rank)")
+
+
+def _print_zeropp(rows: list[dict], zeropp: Any) -> None:
+    """The ZeRO++ lines under the table: which rows use it, and the first simulated stage-3 row's collectives."""
+    if not zeropp:
+        return
+    print(f"ZeRO++ {zeropp.describe()}: stage-3 rows (below stage 3 the keys are ignored, as DeepSpeed ignores them"
+          + ("; hpZ's secondary copy is param_secondary, and parameter offload, which hpZ refuses, is left out"
+             if zeropp.hpz_partition_size > 1 else "") + ")")
+    row = next((r for r in rows if r["stage"] == 3 and r.get("comm_ops")), None)
+    if row is None:
+        return
+    ops = ", ".join(f"{op} {rec['bytes']:,}" for op, rec in row["comm_ops"].items())
+    links = {link: sum(rec["link_bytes"].get(link, 0) for rec in row["comm_ops"].values())
+             for link in ("intra_node", "inter_node")}
+    split = f"; nodes of {zeropp.hpz_partition_size} ranks: {links['inter_node']:,} across nodes, " \
+        f"{links['intra_node']:,} inside them" if zeropp.hpz_partition_size > 1 else ""
+    print(f"collectives per step and rank, {row['strategy']}: {ops} bytes (int8 payloads, float32 scales){split}")

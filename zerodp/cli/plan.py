@@ -53,9 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="policies to try, comma-separated: none, blocks, selective (default none,blocks)")
     for flag, (_, _, text) in CLUSTER_FLAGS.items():
         plan.add_argument(flag, default=None, help=text)
-    plan.add_argument("--quantization", choices=["none", "nf4"], default="none",
-                      help="nf4: QLoRA, as zerodp estimate --quantization nf4 (a 4-bit frozen base, LoRA adapters train)")
-    plan.add_argument("--lora-rank", default="8", metavar="R", help="adapter rank with --quantization nf4 (default 8)")
+    plan.add_argument("--quantization", choices=["none", "nf4"], default=None,
+                      help="nf4: QLoRA, as zerodp estimate --quantization nf4 (a 4-bit frozen base, LoRA adapters train). "
+                           "Default: the model config's quantization_config, else none")
+    plan.add_argument("--lora-rank", default=None, metavar="R", help="adapter rank with --quantization nf4 (default 8)")
     plan.add_argument("--lora-targets", default="all-linear", metavar="NAMES",
                       help="the Linear layers adapted: all-linear (default) or names such as q_proj,v_proj")
     plan.add_argument("--double-quant", action="store_true", help="bnb_4bit_use_double_quant")
@@ -153,20 +154,15 @@ def _workload(args: argparse.Namespace, problems: list[str]) -> "Workload | None
 
 
 def _qlora(args: argparse.Namespace, work: "Workload | None", problems: list[str]) -> "Workload | None":
-    """--quantization nf4: the workload QLoRA trains (zerodp/plan/quantized.py), its flags checked on a meta build."""
-    from zerodp.plan.model_states import DTYPES
-    from zerodp.cli.common import qlora_from_flags
-    from zerodp.plan.quantized import apply_qlora, qlora_workload
+    """The workload QLoRA trains (zerodp/plan/quantized.py) with --quantization nf4 or the model config's
+    quantization_config (read as zerodp estimate reads it), its flags checked on a meta build."""
+    from zerodp.cli.common import quantize_from_flags
+    from zerodp.plan.quantized import qlora_workload
 
-    if args.quantization == "none" or work is None:
-        return work
-    try:
-        qlora = qlora_from_flags(args)
-        apply_qlora(work.meta(), qlora, DTYPES[args.dtype])
-    except ValueError as err:
-        problems.append(str(err))
+    if work is None:
         return None
-    return qlora_workload(work, qlora, args.dtype)
+    qlora = quantize_from_flags(args, work.meta(), problems, "plan")  # None: unquantized, or a flag is wrong
+    return work if qlora is None else qlora_workload(work, qlora, args.dtype)
 
 
 def _batch(args: argparse.Namespace, work: "Workload | None", cluster: "Cluster | None",

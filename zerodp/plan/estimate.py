@@ -4,7 +4,8 @@ Each row holds one strategy's model states by ledger category and tier (zerodp/p
 arithmetic from the partition layout the strategies allocate with) and, given a `Workload`
 (zerodp/plan/workload.py), the peak with activations and transient buffers from simulating the strategy's
 training step on fake tensors (zerodp/plan/simulate.py); with Ulysses over S ranks, the rank's shard of
-the sequence and its all-to-all bytes (zerodp/plan/sequence.py); and the longest sequence that fits a
+the sequence and its all-to-all bytes (zerodp/plan/sequence.py); with ZeRO++ (qwZ, qgZ, hpZ) at stage 3, the
+collectives the runtime's own quantized code sends (zerodp/plan/zeropp.py); and the longest sequence that fits a
 device (`longest_trainable_sequence`)."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from zerodp.plan.model_states import (DTYPES, StrategySpec, buffer_bytes, deepsp
 from zerodp.plan.sequence import Longest, all_to_all_bytes, longest_sequence, model_heads
 from zerodp.plan.simulate import SimulationUnavailable, simulate_strategy
 from zerodp.plan.workload import Workload
+from zerodp.plan.zeropp import ZeroPlusPlus
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +34,7 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
                   seq_len: int = 0, policies: tuple[str, ...] = ("none",),
                   progress: Callable[[str], None] | None = None,
                   initialize: EngineFactory | None = None, quantization: str = "none",
-                  sequence_parallel: int = 1) -> list[dict]:
+                  sequence_parallel: int = 1, zeropp: ZeroPlusPlus = ZeroPlusPlus()) -> list[dict]:
     """One plain-data row per strategy (`zerodp estimate --json`) and activation checkpointing policy:
     model states on the device, in host memory and on NVMe, per rank (rank 0), DeepSpeed's figure
     beside, and with `work` (whose `module` was built on the meta device) the peak of one simulated
@@ -42,10 +44,12 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
     `module`'s frozen base is stored ("nf4": zerodp/plan/quantized.py made it), for the rows and for
     DeepSpeed's figure, which has no such case (None). `sequence_parallel` S: Ulysses over S of the
     `num_ranks` ranks (zerodp/plan/sequence.py: the model states are the same, ZeRO partitions over all
-    ranks; the rank holds L/S tokens; its all-to-all bytes are in `all_to_all_bytes`)."""
+    ranks; the rank holds L/S tokens; its all-to-all bytes are in `all_to_all_bytes`). `zeropp`: the ZeRO++
+    keys of the stage-3 rows (zerodp/plan/zeropp.py; rows the runtime refuses with them are left out); a
+    simulated row's `comm_ops` is its step's comm ledger by op and dtype (int8 payloads apart from fp32 scales)."""
     simulated: dict = {}
     sp_fields = _sequence_fields(module, dtype, micro_batch, seq_len if work is not None else 0, sequence_parallel)
-    strategies = every_strategy(dtype)
+    strategies = [s for s in every_strategy(dtype) if zeropp.trains(s)]
     runs = len(policies) * len({s.device_twin() for s in strategies})
     rows = []
     for policy in policies if work is not None else (None,):
@@ -54,7 +58,8 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
                 states = model_states(numel, num_ranks, s)
             else:
                 flats = module_flats(module, s.stage, num_ranks, offload_param=s.offload_param)
-                states = flat_states(flats, num_ranks, s, buffer_bytes=buffer_bytes(module))
+                states = flat_states(flats, num_ranks, s, buffer_bytes=buffer_bytes(module),
+                                     hpz_partition_size=zeropp.hpz(s))
             row = {"stage": s.stage, "offload_optimizer": s.offload_optimizer, "offload_param": s.offload_param,
                    "activation_checkpointing": policy, "dtype": dtype, "world_size": num_ranks,
                    "micro_batch": micro_batch if work is not None else None, "seq_len": seq_len if work is not None else None,
@@ -63,26 +68,28 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
                    "quantization": quantization, "trainable_params": numel,
                    "deepspeed_bytes": None if quantization != "none" else deepspeed_estimate(numel, num_ranks, s,
                                                                                                largest_layer),
-                   "strategy": s.describe(), **sp_fields}
+                   "strategy": s.describe(), "zeropp": zeropp.zero_keys(s), **sp_fields}
             if work is not None:
                 row.update(_peak_fields(simulated, work, s, num_ranks, micro_batch, seq_len, policy, runs, progress,
-                                        initialize, sequence_parallel))
+                                        initialize, sequence_parallel, zeropp))
             rows.append(row)
     return rows
 
 
 def _peak_fields(cache: dict, work: Workload, s: StrategySpec, num_ranks: int, micro_batch: int, seq_len: int,
                  policy: str, runs: int, progress: Callable[[str], None] | None,
-                 initialize: EngineFactory | None = None, sequence_parallel: int = 1) -> dict:
+                 initialize: EngineFactory | None = None, sequence_parallel: int = 1,
+                 zeropp: ZeroPlusPlus = ZeroPlusPlus()) -> dict:
     """A row's simulated fields, simulating the device twin of `s` once (`cache`). A model whose step
     cannot run on fake tensors gets `peak_error` instead (ValueError, a bad input, is raised)."""
     say = progress or (lambda line: None)
-    twin = (s.device_twin(), policy)
+    twin = (s.device_twin(), policy)  # the ZeRO++ keys are the same for every row
     if twin not in cache:
         say(f"simulating {len(cache) + 1}/{runs}: {s.describe()}, activation checkpointing {policy}")
         try:
             cache[twin] = simulate_strategy(work, s, num_ranks, micro_batch, seq_len, policy, initialize=initialize,
-                                            sequence_parallel=sequence_parallel)
+                                            sequence_parallel=sequence_parallel, zero=zeropp.zero_keys(s),
+                                            ranks_per_node=zeropp.ranks_per_node(s))
         except (ValueError, SimulationUnavailable):
             raise
         except Exception as err:  # noqa: BLE001 - the model's own code under fake tensors: reported per row
@@ -94,7 +101,7 @@ def _peak_fields(cache: dict, work: Workload, s: StrategySpec, num_ranks: int, m
     nvme = "nvme" in (s.offload_optimizer, s.offload_param)
     return {"peak_bytes": sim.peak[DEVICE].bytes, "peak_phase": sim.peak[DEVICE].phase,
             "activations_bytes": sim.activations, "host_peak_bytes": None if nvme else sim.peak[CPU].bytes,
-            "comm_bytes": dict(sim.step_comm.bytes)}
+            "comm_bytes": dict(sim.step_comm.bytes), "comm_ops": sim.step_ops}
 
 
 def _sequence_fields(module: "torch.nn.Module | None", dtype: str, micro_batch: int, seq_len: int,

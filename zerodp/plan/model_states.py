@@ -17,7 +17,8 @@ whole shard, padding included; stage 3: the parameters' elements in its shard; s
 4 bytes per optimizer tensor for `step`. Offloading the optimizer moves masters and moments to the
 cpu or nvme tier and (from stage 2 on) gradients to host memory (on nvme, `step` stays there too);
 offloading parameters (stage 3) moves the parameter shards to host memory, or to nvme beyond
-offload_param.max_in_cpu elements.
+offload_param.max_in_cpu elements. hpZ (`zero_hpz_partition_size` = S, stage 3) adds, per unit flat that is
+sharded, a secondary copy of w·P/S on the device (`param_secondary`; zero/units.py's FlatShard).
 """
 
 from __future__ import annotations
@@ -122,10 +123,11 @@ def model_states(numel: int, num_ranks: int, strategy: StrategySpec, rank: int =
 
 
 def flat_states(flats: list[Flat], num_ranks: int, strategy: StrategySpec, rank: int = 0,
-                param_max_in_cpu: int = 1_000_000_000, buffer_bytes: int = 0) -> ModelStates:
+                param_max_in_cpu: int = 1_000_000_000, buffer_bytes: int = 0, hpz_partition_size: int = 1) -> ModelStates:
     """Model-state bytes of `rank` for these flat buffers: at stages 0-2 the param groups (frozen
     parameters in flats that do not train, held whole), at stage 3 every unit's trainable and frozen
-    flat in unit order; plus `buffer_bytes` of module buffers."""
+    flat in unit order, with `hpz_partition_size` > 1 (ZeRO++ hpZ) each sharded flat's secondary copy;
+    plus `buffer_bytes` of module buffers."""
     s, w = strategy, DTYPES[strategy.dtype]
     out = ModelStates(s)
     out.add(Category.BUFFER, DEVICE, buffer_bytes)
@@ -147,6 +149,9 @@ def flat_states(flats: list[Flat], num_ranks: int, strategy: StrategySpec, rank:
             out.add(working, DEVICE, w * (sum(f.numels) - f.quantized_numel()))
             continue
         in_cpu = _add_flat(out, f, num_ranks, s, rank, param_max_in_cpu, in_cpu)
+        if s.stage == 3 and hpz_partition_size > 1 and not f.keep_full:  # zero/units.py's FlatShard.secondary
+            out.add(Category.PARAM_SECONDARY, DEVICE,
+                    DTYPES[s.dtype] * group_layout(list(f.numels), num_ranks).padded_numel // hpz_partition_size)
     return out
 
 

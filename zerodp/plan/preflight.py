@@ -85,5 +85,6 @@ def device_bytes(config: Any, module: torch.nn.Module, trainable: set, world_siz
     flats = module_flats(module, s.stage, world_size, int(zero.stage3_param_persistence_threshold),
                          int(zero.stage3_model_persistence_threshold), s.offload_param, trainable)
     max_in_cpu = int(zero.offload_param.max_in_cpu) if zero.offload_param is not None else 1_000_000_000
-    states = flat_states(flats, world_size, s, param_max_in_cpu=max_in_cpu, buffer_bytes=buffer_bytes(module))
+    states = flat_states(flats, world_size, s, param_max_in_cpu=max_in_cpu, buffer_bytes=buffer_bytes(module),
+                         hpz_partition_size=int(zero.zero_hpz_partition_size))  # hpZ's secondary copy
     return states.bytes(DEVICE)

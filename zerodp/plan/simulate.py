@@ -255,22 +255,28 @@ class Simulation:
     """What one simulated rank held while training: peaks by tier (device, cpu), the engine's
     memory report (the ledger), the device bytes one micro-batch's forward left for backward, and
     the collectives of the last optimizer step (`step_comm`) and of one of its micro-batches before
-    the last (`micro_comm`; None without gradient accumulation)."""
+    the last (`micro_comm`; None without gradient accumulation); `step_ops`: the last step's collectives as
+    the comm ledger reports them (`comm_report(...)["ops"]`: per op and dtype, calls, elements, bytes, bytes by
+    link), which tells a quantized collective's int8 payload from its fp32 scales (ZeRO++)."""
 
     peak: dict[str, Peak]
     memory: dict
     activations: int
     step_comm: CommVolume = field(default_factory=CommVolume)
     micro_comm: CommVolume | None = None
+    step_ops: dict = field(default_factory=dict)
 
 
 def simulate_training(build: Any, config: dict, batch: Any, world_size: int, rank: int = 0, device: str = "meta",
-                      steps: int = 2, prepare: Any = None, initialize: EngineFactory | None = None) -> Simulation:
+                      steps: int = 2, prepare: Any = None, initialize: EngineFactory | None = None,
+                      ranks_per_node: int | None = None) -> Simulation:
     """Run `steps` optimizer steps of `build()` (an nn.Module factory) under `config` as `rank` of
     `world_size`, simulated on `device` (see simulated_world). `batch(model, device)` -> (args, kwargs)
     of one micro-batch; the model's output is the loss, or has `.loss`. `prepare(model)` runs before initialize (activation checkpointing).
     Step 2 is the steady state: step 1 also creates the optimizer state. `initialize` builds the engine
-    (default: zerodp.initialize; see zerodp/plan/engines.py)."""
+    (default: zerodp.initialize; see zerodp/plan/engines.py). `ranks_per_node`: the ledger counts bytes by link
+    as if consecutive blocks of that many ranks shared a node (default: every rank on one node, as the fake
+    group's gathered host names say; hpZ's secondary groups are meant to be nodes)."""
     import logging
     import warnings
 
@@ -285,6 +291,8 @@ def simulate_training(build: Any, config: dict, batch: Any, world_size: int, ran
                 prepare(model)
             engine = build_engine(initialize, model=model, config=config)
             del model
+            if ranks_per_node is not None:  # after initialize, which told the ledger the fake group's layout
+                comm.set_node_layout([r // ranks_per_node for r in range(world_size)])
             world.start_training()
             live_at: dict[str, int] = {}
             sent_before: list[CommVolume] = []  # the step's collectives so far, as each forward starts
@@ -299,7 +307,8 @@ def simulate_training(build: Any, config: dict, batch: Any, world_size: int, ran
             accumulation = engine.gradient_accumulation_steps()
             micro = sent_before[-1].minus(sent_before[-2]) if accumulation > 1 else None
             return Simulation(dict(world.peak), engine.memory_report(), activations,
-                              CommVolume.of(comm.ledger.last_step), micro)
+                              CommVolume.of(comm.ledger.last_step), micro,
+                              comm.comm_report(comm.ledger.last_step)["ops"])
     finally:
         logging.disable(before_disabled)
 
@@ -324,14 +333,16 @@ def train_steps(engine: Any, batch: Any, steps: int, enter: Any = None) -> None:
 def simulate_strategy(work: "Workload", strategy: StrategySpec, world_size: int, micro_batch: int, seq_len: int,
                       activation_checkpointing: str = "none", device: str = "meta", rank: int = 0,
                       accumulation: int = 1, zero: dict | None = None,
-                      initialize: EngineFactory | None = None, sequence_parallel: int = 1) -> Simulation:
+                      initialize: EngineFactory | None = None, sequence_parallel: int = 1,
+                      ranks_per_node: int | None = None) -> Simulation:
     """Simulate `strategy` training `work` (zerodp/plan/workload.py) at this micro-batch and sequence
     length, with activation checkpointing "none", "blocks" (every repeated block) or "selective"
     (blocks, keeping matmul and attention outputs), `accumulation` micro-batches per step (default 1)
     and `zero`'s zero_optimization keys on top (bucket sizes). NVMe offload runs as CPU offload: the
     device runs the same code either way; what differs is in host memory and files, which the ledger gives.
     `sequence_parallel` S > 1: Ulysses over S of the `world_size` ranks, the rank holding its S-th of
-    the sequence (zerodp/plan/sequence.py; a Hugging Face model whose heads S splits)."""
+    the sequence (zerodp/plan/sequence.py; a Hugging Face model whose heads S splits). `ranks_per_node`: as
+    simulate_training's (zerodp/plan/zeropp.py gives hpZ's)."""
     from zerodp.plan.sequence import sharded_inputs, simulated_ulysses
 
     if work.inputs is None:
@@ -351,4 +362,4 @@ def simulate_strategy(work: "Workload", strategy: StrategySpec, world_size: int,
                 ulysses(model)
 
         return simulate_training(work.build, config, batch, world_size, rank, device, prepare=prepare,
-                                 initialize=initialize)
+                                 initialize=initialize, ranks_per_node=ranks_per_node)
