@@ -259,3 +259,30 @@ def test_ranks_of_zerodp_compare_die_when_it_is_sigkilled(tmp_path) -> None:
     finally:
         _stop(launcher, workers)
         log.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# nothing left behind
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["succeeds", "fails"])
+def test_zerodp_run_leaves_no_log_directory_behind(tmp_path, fails) -> None:
+    """torchrun makes a /tmp/torchelastic_* per launch and never removes it (thousands on a busy
+    machine); zerodp run gives it one that goes when the launch ends, after a failure is reported."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        import os
+        if {fails} and os.environ["RANK"] == "1":
+            raise SystemExit("rank 1 gives up")
+        print("rank", os.environ["RANK"], "done")
+    """))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    result = subprocess.run([sys.executable, "-m", "zerodp.cli", "run", "--nproc-per-node", "2", str(script)],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(scratch)})
+    assert result.returncode == (1 if fails else 0), result.stderr[-2000:]
+    if fails:
+        assert "rank      : 1" in result.stderr and "exitcode  : 1" in result.stderr
+    else:
+        assert "rank 1 done" in result.stdout
+    assert list(scratch.iterdir()) == []

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
+from contextlib import contextmanager
+from typing import Iterator
 
 from zerodp.comm.lifecycle import workers_die_with_me
 
@@ -155,15 +158,29 @@ def launch(argv: list[str], allow_oversubscribe: bool = False, what: str | None 
         check_local_ranks(what or f"--nproc-per-node {args.nproc_per_node}", int(args.nproc_per_node),
                           allow_oversubscribe)
     os.environ.setdefault("ZERODP_AS_DEEPSPEED", "1")
-    try:
-        with workers_die_with_me():
-            run(args)
-    except ChildFailedError as err:
-        from zerodp.log import logger
+    with _scratch_log_dir(args):
+        try:
+            with workers_die_with_me():
+                run(args)
+        except ChildFailedError as err:  # formatted while the workers' error files still exist
+            from zerodp.log import logger
 
-        logger.error("%s", err.format_msg())
-        return 1
+            logger.error("%s", err.format_msg())
+            return 1
     return 0
+
+
+@contextmanager
+def _scratch_log_dir(args: argparse.Namespace) -> Iterator[None]:
+    """torchrun's default log directory is a new /tmp/torchelastic_* per launch, never removed (it holds
+    the workers' error files); with no --log-dir and no output redirected to files, use one that is
+    removed when the launch ends."""
+    if args.log_dir is not None or str(args.redirects) != "0" or str(args.tee) != "0":
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="zerodp_run_") as scratch:
+        args.log_dir = scratch
+        yield
 
 
 _DEEPSPEED_ONLY_SWITCHES = ("force_multi", "save_pid", "bind_cores_to_rank")
