@@ -235,6 +235,23 @@ def test_ranks_running_different_modules_raise_naming_them() -> None:
         run_ranks(_divergent, 2, timeout=100)
 
 
+def _divergent_under_a_marked_root(rank: int, world: int):
+    import zerodp
+
+    model = make_block_lm(reuse_first=False)
+    zerodp.zero.set_z3_leaf_modules(model, [type(model)])
+    engine, *_ = zerodp.initialize(model=model, config=_config(), optimizer=_adamw)
+    for step in range(2):
+        engine.backward(engine(*batch(rank, step, 0), use_last=rank == 0))  # rank 1 skips the last block
+        engine.step()
+    return [u.name for u in engine.strategy.units if u.trainable]
+
+
+def test_marking_the_model_itself_makes_it_one_unit_so_ranks_may_run_different_modules() -> None:
+    """DeepSpeed's set_z3_leaf_modules(model, [type(model)]): the whole model is gathered at once."""
+    assert run_ranks(_divergent_under_a_marked_root, 2, timeout=100) == [["<root>"], ["<root>"]]
+
+
 # --- ledgers ------------------------------------------------------------------------------------------
 
 

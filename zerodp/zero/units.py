@@ -17,7 +17,7 @@ backward. That is why a unit must be gathered before its backward runs (the pre-
 
 [Note: choosing units]
 `zerodp.zero.set_z3_leaf_modules(model, [Block])` (DeepSpeed's name) makes every module of those
-classes a unit. Otherwise each child of the model's largest outermost `nn.ModuleList` (its repeated blocks)
+classes a unit (the model's own class: the whole model is one unit, the root below). Otherwise each child of the model's largest outermost `nn.ModuleList` (its repeated blocks)
 is a unit, the expert lists of mixture-of-experts blocks left out of that choice. A MoE block is
 never split: one inside a chosen unit stays in it whole, one outside every unit, or holding marked
 modules, is a unit itself (zero/moe.py's [Note: MoE blocks are gathered whole]). Every parameter outside those units belongs to the root unit, the whole model, which
@@ -524,7 +524,11 @@ def mark_leaf_modules_from_config(model: nn.Module, classes: list[str], names: l
 
 def _unit_roots(model: nn.Module, detect_moe: bool) -> list[tuple[str, nn.Module]]:
     """Modules marked by set_z3_leaf_modules, else the model's repeated blocks; with `detect_moe`,
-    the MoE blocks too and no expert list as the repeated blocks. Outermost only, in module order."""
+    the MoE blocks too and no expert list as the repeated blocks. Outermost only, in module order.
+    No units when the model itself is marked: then it is one unit, the root (gathered whole from the start
+    of forward to the end of backward), so its forward may choose modules differently on each rank."""
+    if z3_leaf_module(model):
+        return []
     moe = [(n, m) for n, m in find_moe_blocks(model) if m is not model] if detect_moe else []
     marked = [(n, m) for n, m in model.named_modules() if z3_leaf_module(m) and m is not model]
     roots = marked or repeated_blocks(model, skip=inside_blocks(moe))
