@@ -16,6 +16,17 @@ CHAT_PATCHES for transformers 5, applied to the copy). Nothing reaches a hub.
 It prints, per variant: ran (exit 0) / refused (zerodp named a feature it lacks) / failed (the first error
 line) / not run (what the machine lacks), the wall time and the final loss where the script prints one.
 --real-deepspeed runs each also with the real DeepSpeed of --python (DS_ACCELERATOR=cpu).
+
+The CUDA shim: training/bf16_master_weight/train.py calls torch.cuda.set_device(local_rank) and
+torch.cuda.reset_peak_memory_stats() unconditionally, and a CPU build of torch raises AttributeError at
+both. Where --python's torch has no CUDA, its two variants run "with the CUDA shim" (CUDA_SHIM below): a
+sitecustomize.py put first on PYTHONPATH for these variants only, the same for zerodp and for DeepSpeed,
+that makes exactly those two functions no-ops and then runs the run's own sitecustomize (zerodp's switch,
+or the DeepSpeed comm start). The script file stays unchanged. Its torch.cuda.manual_seed_all(seed) needs
+nothing (a CPU build queues it for a CUDA start that never comes), and its
+torch.autocast(device_type="cuda", ...) around forward and loss is disabled by torch itself (a warning) on
+both sides, so what autocasts is the engine's own `torch_autocast` section (the engine's forward only,
+not the script's loss).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,6 +70,8 @@ class Variant:
     """What a machine lacks to run it (None when it can run), given the bench's arguments."""
     curve: Callable[[str], dict[int, float]] | None = None
     """The per-step losses the script prints (compared with --real-deepspeed), where it prints them."""
+    cuda_shim: bool = False
+    """Run with CUDA_SHIM where --python's torch has no CUDA (the module docstring says why)."""
 
 
 def _python_can(python: str, code: str) -> bool:
@@ -70,10 +84,38 @@ def _needs_torchvision(args: argparse.Namespace) -> str | None:
     return f"torchvision (the script imports it) does not import in {args.python}"
 
 
-def _needs_cuda(args: argparse.Namespace) -> str | None:
-    if _python_can(args.python, "import torch; assert torch.cuda.is_available()"):
+CUDA_SHIM = '''"""bench/deepspeed_examples.py's CUDA shim (its module docstring says why): without CUDA, the two
+torch.cuda calls train.py makes unconditionally and a CPU build of torch raises at become no-ops; then
+the run's own sitecustomize (next on the path) runs."""
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    def _no_cuda(*args, **kwargs):
         return None
-    return "a CUDA GPU: train.py calls torch.cuda.set_device and torch.cuda.reset_peak_memory_stats unconditionally"
+
+    torch.cuda.set_device = _no_cuda
+    torch.cuda.reset_peak_memory_stats = _no_cuda
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_NEXT = importlib.machinery.PathFinder.find_spec(
+    "sitecustomize", [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE])
+if _NEXT is not None:
+    _NEXT.loader.exec_module(importlib.util.module_from_spec(_NEXT))
+'''
+"""Written as sitecustomize.py into a folder put first on PYTHONPATH (shim_path)."""
+
+
+def shim_path(run: Path) -> str:
+    """The folder holding CUDA_SHIM as sitecustomize.py, written under the run's folder."""
+    folder = run / "cuda-shim"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(CUDA_SHIM)
+    return str(folder)
 
 
 def _needs_cifar(args: argparse.Namespace) -> str | None:
@@ -140,9 +182,23 @@ def _cifar(stage: int, dtype: str) -> Callable[[dict, Path], list[str]]:
 
 
 def _bf16(config: str) -> Callable[[dict, Path], list[str]]:
-    return lambda inputs, run: ["--deepspeed_config", f"configs/{config}", "--num_layers", "2", "--hidden_dim", "64",
-                                "--num_heads", "4", "--vocab_size", "128", "--batch_size", "2", "--seq_length", "16",
-                                "--num_steps", "6", "--warmup_steps", "1"]
+    """train.py's own flags, tiny: one layer of width 32, 6 steps of 2 x 16 tokens, every step's loss printed."""
+    return lambda inputs, run: ["--deepspeed_config", f"configs/{config}", "--num_layers", "1", "--hidden_dim", "32",
+                                "--num_heads", "2", "--vocab_size", "128", "--batch_size", "2", "--seq_length", "16",
+                                "--num_steps", "6", "--warmup_steps", "1", "--log_interval", "1"]
+
+
+def _bf16_curve(log: str) -> dict[int, float]:
+    """Each step's loss train.py prints (`[Rank R] Step S: loss=L`, 4 decimals), ranks 0 and 1 as 2S and 2S+1."""
+    found = re.findall(r"\[Rank (\d+)\] Step (\d+): loss=([-0-9.e]+)", log)
+    return {2 * int(step) + int(rank): float(loss) for rank, step, loss in found}
+
+
+def _bf16_loss(log: str) -> float | None:
+    """Rank 0's last step loss."""
+    curve = _bf16_curve(log)
+    last = max((key for key in curve if key % 2 == 0), default=None)
+    return None if last is None else curve[last]
 
 
 _STEP1 = CHAT / "training" / CHAT_STEPS["dschat_sft"]
@@ -181,9 +237,11 @@ VARIANTS = [
             _no_loss),
     # training/bf16_master_weight: run_comparison.sh's two configs
     Variant("bf16-master-baseline", "configs/baseline.json: ZeRO-3, bf16, fp32 masters",
-            TRAINING / "bf16_master_weight", "train.py", _bf16("baseline.json"), _no_loss, _needs_cuda),
+            TRAINING / "bf16_master_weight", "train.py", _bf16("baseline.json"), _bf16_loss, curve=_bf16_curve,
+            cuda_shim=True),
     Variant("bf16-master-full", "configs/bf16_full.json: ZeRO-3, bf16 masters and optimizer states, torch_autocast",
-            TRAINING / "bf16_master_weight", "train.py", _bf16("bf16_full.json"), _no_loss, _needs_cuda),
+            TRAINING / "bf16_master_weight", "train.py", _bf16("bf16_full.json"), _bf16_loss, curve=_bf16_curve,
+            cuda_shim=True),
     # training/cifar: cifar10_deepspeed.py's own --stage/--dtype flags (run_ds.sh)
     Variant("cifar-z0-fp16", "run_ds.sh defaults: ZeRO-0, fp16", TRAINING / "cifar", "cifar10_deepspeed.py",
             _cifar(0, "fp16"), _cifar_loss, _needs_cifar),
@@ -243,6 +301,9 @@ def run_variant(variant: Variant, args, inputs: dict, work: Path, framework: str
     env = environment(framework, run, inputs["shims"], args.python)
     # DeepSpeed-Chat's README installs its `dschat` package (`pip install -e .`); on the path is the same
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *extra_path])
+    shimmed = variant.cuda_shim and not args.cuda
+    if shimmed:
+        env["PYTHONPATH"] = os.pathsep.join([shim_path(run), env["PYTHONPATH"]])
     command = ["nice", "-n", "10", *chat_command(args.python, framework), variant.script,
                *variant.arguments(inputs, run)]
     log = run / "log.txt"
@@ -250,14 +311,20 @@ def run_variant(variant: Variant, args, inputs: dict, work: Path, framework: str
     with log.open("w") as out:
         out.write(" ".join(command) + "\n")
         out.flush()
+        launch = subprocess.Popen(command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
         try:
-            returncode = subprocess.run(command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                        timeout=args.timeout, start_new_session=True).returncode
+            returncode = launch.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
+            # the whole session: the launcher's ranks would otherwise outlive it and hold --master_port
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.wait()
             returncode = -1
     seconds = time.monotonic() - start
     text = log.read_text(errors="replace")
     result = f"failed: timed out after {args.timeout:g} s" if returncode == -1 else outcome(returncode, text)
+    if shimmed:
+        result = "ran with the CUDA shim" if result == "ran" else f"{result} [with the CUDA shim]"
     return result, seconds, text
 
 
@@ -270,7 +337,8 @@ def compare(variant: Variant, logs: dict[str, str]) -> str | None:
     if not common:
         return None
     diff, step = max((abs(ours[s] - theirs[s]), s) for s in common)
-    return f"max abs(zerodp - DeepSpeed) {diff:.2e} at loss {step} of {len(common)}"
+    equal = sum(ours[s] == theirs[s] for s in common)
+    return f"max abs(zerodp - DeepSpeed) {diff:.2e} at loss {step} of {len(common)} ({equal} equal)"
 
 
 def checkout_commit(examples: Path) -> str:
@@ -291,6 +359,7 @@ def main() -> int:
     args = parser.parse_args()
     args.examples = args.examples.resolve()
     args.cifar_data = args.cifar_data.resolve() if args.cifar_data else None
+    args.cuda = _python_can(args.python, "import torch; assert torch.cuda.is_available()")
     by_name = {v.name: v for v in VARIANTS}
     unknown = [name for name in args.variants.split(",") if name not in by_name]
     if unknown:
@@ -300,6 +369,10 @@ def main() -> int:
     frameworks = ["zerodp", "deepspeed"] if args.real_deepspeed else ["zerodp"]
     print(f"DeepSpeedExamples at {args.examples} (commit {checkout_commit(args.examples)}); python {args.python}; "
           f"work {work}")
+    if not args.cuda and any(by_name[name].cuda_shim for name in args.variants.split(",")):
+        print(f"{args.python} has no CUDA: the variants marked 'with the CUDA shim' run with torch.cuda.set_device "
+              "and torch.cuda.reset_peak_memory_stats made no-ops (on both frameworks); the script's "
+              "torch.autocast(device_type='cuda') is then disabled by torch, so the engine's torch_autocast applies")
     for name in args.variants.split(","):
         variant = by_name[name]
         missing = variant.needs(args)
