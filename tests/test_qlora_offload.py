@@ -18,21 +18,12 @@ import torch
 
 from tests.harness import run_ranks
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
 from tests.test_qlora import LR, STEPS, _batches, _qlora_model  # noqa: E402  (after the importorskips)
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    path = tmp_path_factory.mktemp("qlora_offload") / "base"
-    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    return str(path)
+from tests.test_qlora import base_dir  # noqa: E402, F401  (the fixture: the same tiny bf16 Llama)
 
 
 def _engine(model: torch.nn.Module, stage: int, zero: dict):
