@@ -13,9 +13,10 @@ where it frees the storage and keeps a copy, so the tests exercise the path a GP
 
 A storage torch does not own (not resizable: a safetensors file that `from_pretrained` maps into
 host memory when the weights need no cast or move, as a QLoRA model's frozen embedding and norms on a
-CPU-only machine; memory imported through DLPack) cannot be freed by resizing. It stays where it is,
-values intact, counted where it was, and a warning says how many bytes stayed; a parked copy
-would only double it. On a GPU, `from_pretrained` copies the weights to the device, so this is the
+CPU-only machine; memory imported through DLPack; a CPU tensor once shared with numpy by `.numpy()`, which
+makes its storage fixed for good) cannot be freed by resizing. It stays where it is,
+values intact, counted where it was, and a warning says how many bytes stayed (a host copy
+would free nothing). On a GPU, `from_pretrained` copies the weights to the device, so this is the
 CPU case in practice.
 """
 
@@ -59,7 +60,8 @@ class ParkedStorages:
             moved += host.numel()
         if kept:
             logger.warning("offload_states: %d bytes stay where they are: their storage is not torch's to free "
-                           "(a file mapped into memory by from_pretrained, or memory imported through DLPack)", kept)
+                           "(a file mapped into memory by from_pretrained, memory imported through DLPack or shared "
+                           "with numpy)", kept)
         return moved
 
     def restore(self, non_blocking: bool = False) -> int:
