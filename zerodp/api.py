@@ -19,7 +19,7 @@ from zerodp.optim import NoOptimizer, forward_only_reason, optimizer_factory, pa
 from zerodp.precision import DtypePolicy
 from zerodp.profiler import check_output_file
 from zerodp.zero import strategy_class
-from zerodp.zero.four_bit import check_4bit_storage
+from zerodp.zero.four_bit import check_4bit_storage, check_reentrant_checkpointing
 from zerodp.zero.units import full_numel
 from zerodp.plan import engines
 from zerodp.plan.doctor import Doctor
@@ -134,6 +134,7 @@ def _preflight(model: nn.Module, cfg: ZeroDPConfig, groups: list[dict], forward_
     zerodp cannot read, an unwritable profile, model states or an offload that do not fit this machine."""
     _check_partitioning(model, cfg)
     check_4bit_storage(model, DtypePolicy.from_config(cfg).param_dtype, cfg.zero_optimization.stage)
+    check_reentrant_checkpointing(model)
     if cfg.flops_profiler.enabled:
         check_output_file(cfg.flops_profiler.output_file)
     if not comm.simulated():  # this machine's memory says nothing about the one a simulation estimates

@@ -355,7 +355,7 @@ class Engine(EngineAccessors, EngineCheckpoints, nn.Module):
         """Move this rank's training state off the device into host memory until `reload_states()`
         (DeepSpeed's method: RLHF loops free the device for generation between training phases).
         `include`: which of "optim_states" (optimizer state), "hp_params" (fp32 masters; in fp32
-        training the parameters themselves), "lp_params" (16-bit parameters), "lp_grads" and
+        training the parameters themselves), "lp_params" (16-/4-bit parameters, quant_state), "lp_grads" and
         "contiguous_grad_buffer" (gradient buffers); default all (DeepSpeed's `OffloadStateTypeEnum`
         values work too). State already offloaded by the config stays where it is. `device`: "cpu"
         ("none" does nothing). `pin_memory`: page-locked host buffers (CUDA). Until reloaded, forward,
@@ -480,8 +480,8 @@ def _describe(x: Any) -> str:
 
 
 _OFFLOAD_KINDS = {"optim_states": (Category.OPTIM_STATE,), "hp_params": (Category.PARAM32_MASTER,),
-                  "lp_params": (Category.PARAM16, Category.PARAM_4BIT), "lp_grads": (Category.GRAD,),
-                  "contiguous_grad_buffer": (Category.GRAD,)}
+                  "lp_params": (Category.PARAM16, Category.PARAM_4BIT, Category.QUANT_STATE),  # 4-bit: + its state
+                  "lp_grads": (Category.GRAD,), "contiguous_grad_buffer": (Category.GRAD,)}
 """DeepSpeed's OffloadStateTypeEnum values -> the ledger categories they name."""
 
 

@@ -137,8 +137,11 @@ def add_flat(led: MemoryLedger, category: Category, tensor: torch.Tensor, start:
     if not pieces:
         led.add(category, tensor, tier)
         return
+    parked = tier == DEVICE and tensor.untyped_storage().nbytes() == 0  # offload_states: no view can be cut
     for cat, lo, hi in pieces + [(category, at, stop)]:
-        if lo < hi:
+        if lo < hi and parked:  # counted where its bytes are, as `add` counts a parked tensor
+            led.add_bytes(cat, CPU, (hi - lo) * tensor.element_size())
+        elif lo < hi:
             led.add(cat, tensor[lo - start : hi - start], tier)
 
 

@@ -10,6 +10,14 @@ which frees its device memory while every tensor viewing it stays the same Pytho
 resizes it back and copies the bytes in, so every view sees its old values at its old offsets. A
 storage is parked once however many tensors view it. The same code runs on a CPU-only machine,
 where it frees the storage and keeps a copy, so the tests exercise the path a GPU takes.
+
+A storage torch does not own (not resizable: a safetensors file that `from_pretrained` maps into
+host memory when the weights need no cast or move, as a QLoRA model's frozen embedding and norms on a
+CPU-only machine; memory imported through DLPack; a CPU tensor once shared with numpy by `.numpy()`, which
+makes its storage fixed for good) cannot be freed by resizing. It stays where it is,
+values intact, counted where it was, and a warning says how many bytes stayed (a host copy
+would free nothing). On a GPU, `from_pretrained` copies the weights to the device, so this is the
+CPU case in practice.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+
+from zerodp.log import logger
 
 
 class ParkedStorages:
@@ -31,10 +41,13 @@ class ParkedStorages:
     def park(self, tensors: Iterable[torch.Tensor], pin_memory: bool = True, non_blocking: bool = False) -> int:
         """Move the storages of `tensors` (those not parked already, and not empty) to host memory;
         returns the bytes moved. `pin_memory`: page-locked host buffers (CUDA only)."""
-        moved = 0
+        moved, kept = 0, 0
         for storage in _distinct_storages(tensors):
             key = storage._cdata
             if key in self._parked or storage.nbytes() == 0:
+                continue
+            if not storage.resizable():  # memory torch does not own: see [Note: parking storages]
+                kept += storage.nbytes()
                 continue
             source = _bytes_of(storage)
             pin = pin_memory and storage.device.type == "cuda"
@@ -45,6 +58,10 @@ class ParkedStorages:
             storage.resize_(0)
             self._parked[key] = (storage, host)
             moved += host.numel()
+        if kept:
+            logger.warning("offload_states: %d bytes stay where they are: their storage is not torch's to free "
+                           "(a file mapped into memory by from_pretrained, memory imported through DLPack or shared "
+                           "with numpy)", kept)
         return moved
 
     def restore(self, non_blocking: bool = False) -> int:
