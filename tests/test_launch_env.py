@@ -208,3 +208,25 @@ def test_two_processes_started_with_slurm_variables_only_all_reduce(tmp_path) ->
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-2000:]}"
         assert f"rank {r} of 2 local {r} sum 3" in out
         assert "launch from slurm: rank" in err and "master 127.0.0.1:" + port in err
+
+
+_THREADS = textwrap.dedent("""
+    import os, sys, torch, zerodp
+    before = torch.get_num_threads()
+    zerodp.init_distributed("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+    print(before, torch.get_num_threads(), len(os.sched_getaffinity(0)))
+""")
+
+
+@pytest.mark.parametrize("env,shared", [({"LOCAL_WORLD_SIZE": "2"}, True), ({"LOCAL_SIZE": "2"}, True),
+                                        ({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "2"}, False),
+                                        ({}, False)], ids=["torch", "deepspeed", "omp set", "alone"])
+def test_cpu_ranks_started_without_torchrun_share_the_cores(tmp_path, env, shared) -> None:
+    """A process pool or mp.spawn (DeepSpeed's test harness) gives every rank torch's default of all
+    cores; ranks that say how many share the machine get cores / ranks threads each."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "LOCAL_SIZE")}
+    result = subprocess.run([sys.executable, "-c", _THREADS, str(tmp_path / "init")], capture_output=True, text=True,
+                            timeout=120, env={**clean, **env, "PYTHONPATH": str(REPO)}, check=True)
+    before, after, cores = map(int, result.stdout.split())
+    expected = min(before, max(1, cores // 2)) if shared else before
+    assert after == expected, result.stderr
