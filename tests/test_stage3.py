@@ -252,6 +252,43 @@ def test_marking_the_model_itself_makes_it_one_unit_so_ranks_may_run_different_m
     assert run_ranks(_divergent_under_a_marked_root, 2, timeout=100) == [["<root>"], ["<root>"]]
 
 
+def test_module_granularity_is_parameters_per_layer() -> None:
+    """BlockLM(vocab 320, dim 16): a block = norm 32 + fc1 544 + fc2 528 over its 3 layers + itself = 276;
+    the model = embed 5,120 + blocks 4,416 + norm 32 over embed, 4 x 4 block layers, norm and itself
+    = 503; containers and layers: never."""
+    from zerodp.zero.granularity import mark_leaf_modules_by_granularity, module_granularity
+
+    model = make_block_lm(vocab=320)
+    granularity = {n: module_granularity(model)[m] for n, m in model.named_modules()}
+    assert granularity["blocks.2"] == 276 and granularity[""] == 503
+    assert granularity["blocks"] == granularity["blocks.2.fc1"] == float("inf")
+    assert mark_leaf_modules_by_granularity(make_block_lm(vocab=320), 275) == []
+    assert mark_leaf_modules_by_granularity(make_block_lm(vocab=320), 300) == [f"blocks.{i}" for i in range(4)]
+    assert mark_leaf_modules_by_granularity(make_block_lm(vocab=320), 503) == [""]  # outermost first
+
+
+def _granularity(rank: int, world: int, threshold: int):
+    import zerodp
+
+    config = _config(stage3_module_granularity_threshold=threshold, stage3_param_persistence_threshold=0)
+    engine, *_ = zerodp.initialize(model=make_block_lm(vocab=320, reuse_first=False), config=config, optimizer=_adamw)
+    losses = []
+    for step in range(3):
+        losses.append(engine(*batch(rank, step, 0)))
+        engine.backward(losses[-1])
+        engine.step()
+    return [loss.item() for loss in losses], [u.name for u in engine.strategy.units if u.trainable]
+
+
+def test_stage3_module_granularity_threshold_changes_the_units_not_the_losses() -> None:
+    """DeepSpeed's test_finegrained_optimization: the same losses at every threshold."""
+    runs = {threshold: run_ranks(_granularity, 2, args=(threshold,), timeout=100) for threshold in (0, 300, 10**7)}
+    assert [units for _, units in runs[0]] == [["<root>", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]] * 2
+    assert runs[300] == runs[0]  # the blocks were the units already
+    assert [units for _, units in runs[10**7]] == [["<root>"]] * 2
+    assert [losses for losses, _ in runs[10**7]] == [losses for losses, _ in runs[0]]
+
+
 # --- ledgers ------------------------------------------------------------------------------------------
 
 

@@ -58,7 +58,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
 }
 
 NOT_IMPLEMENTED_AT_STAGE_3: dict[str, tuple[Any, str]] = {
-    "zero_optimization.stage3_module_granularity_threshold": (0, "units are chosen by module (set_z3_leaf_modules)"),
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": (False, "parameters are fetched with all-gather"),
 }
 

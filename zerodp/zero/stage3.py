@@ -39,6 +39,7 @@ from zerodp.zero.stage12 import MAX_BUCKETS_IN_FLIGHT, check_elementwise
 from zerodp.zero.stage3_hooks import PassKind, Stage3Hooks
 from zerodp.zero.topology import stage3_partition
 from zerodp.zero.trace import UnitTrace
+from zerodp.zero.granularity import mark_leaf_modules_by_granularity
 from zerodp.zero.units import FlatShard, Unit, UnitState, mark_leaf_modules_from_config, plan_units
 
 FULL_WEIGHTS_HINT = ('Set "zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true} to gather full '
@@ -100,6 +101,8 @@ class Stage3(Stage3Hooks, Strategy):
                 module, leaf.classes, leaf.names, leaf.name_suffixes):
             raise ValueError(f"zero_optimization.leaf_module {leaf.model_dump()} matches no module of the model: "
                              "give class names, module names or name suffixes that exist")
+        if zero.stage3_module_granularity_threshold:
+            mark_leaf_modules_by_granularity(module, int(zero.stage3_module_granularity_threshold))
         # DeepSpeed's default leaf classes are its MoE blocks; zerodp's default is to recognise MoE blocks
         # by structure, and a `classes` list in the config replaces that default too ([Note: MoE blocks ...])
         plan = plan_units(module, int(zero.stage3_param_persistence_threshold),
