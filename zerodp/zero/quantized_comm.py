@@ -31,12 +31,13 @@ from __future__ import annotations
 import torch
 
 from zerodp import comm
-from zerodp.zero.quantize import dequantize_rows, quantize, quantize_rows
+from zerodp.zero.quantize import dequantize_rows_into, dequantize_sum_into, quantize, quantize_rows
 
 
 class _Quantized:
     """A quantized collective in flight: int8 `payloads` and fp32 `scales` arriving (each rank's piece
-    one row); `wait()` waits for both, then `_land` turns them into the result."""
+    one row); `wait()` waits for both, then `_land` dequantizes them into the result, a piece at a time
+    (zero/quantize.py's [Note: bounded temporaries]: no fp32 copy of the whole buffer)."""
 
     def __init__(self, num_ranks: int, block_numel: int) -> None:
         self.num_ranks, self.block_numel = num_ranks, block_numel
@@ -46,11 +47,10 @@ class _Quantized:
         for work in self.works:
             work.wait()
         self.works = []
-        self._land(dequantize_rows(self.payloads.view(self.num_ranks, -1), self.scales.view(self.num_ranks, -1),
-                                   self.block_numel))
+        self._land(self.payloads.view(self.num_ranks, -1), self.scales.view(self.num_ranks, -1))
         self.payloads = self.scales = None
 
-    def _land(self, pieces: torch.Tensor) -> None:
+    def _land(self, payloads: torch.Tensor, scales: torch.Tensor) -> None:
         raise NotImplementedError
 
 
@@ -67,8 +67,9 @@ class QuantizedGather(_Quantized):
         self.works = [comm.all_gather_into_tensor(self.payloads, payload, group=group, async_op=True),
                       comm.all_gather_into_tensor(self.scales, scales, group=group, async_op=True)]
 
-    def _land(self, pieces: torch.Tensor) -> None:
-        self.full.copy_(pieces.reshape(-1))  # into the working dtype (round to nearest)
+    def _land(self, payloads: torch.Tensor, scales: torch.Tensor) -> None:
+        # straight into the working dtype (fp32 products, rounded to nearest), rank r's piece row r
+        dequantize_rows_into(self.full.view(self.num_ranks, -1), payloads, scales, self.block_numel)
 
 
 class QuantizedReduceScatter(_Quantized):
@@ -83,5 +84,5 @@ class QuantizedReduceScatter(_Quantized):
         self.works = [comm.all_to_all_single(self.payloads, payloads, group=group, async_op=True),
                       comm.all_to_all_single(self.scales, scales, group=group, async_op=True)]
 
-    def _land(self, pieces: torch.Tensor) -> None:
-        self.out.copy_(pieces.sum(dim=0))
+    def _land(self, payloads: torch.Tensor, scales: torch.Tensor) -> None:
+        dequantize_sum_into(self.out, payloads, scales, self.block_numel)
