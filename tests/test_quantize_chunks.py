@@ -80,6 +80,32 @@ def test_default_chunk_cuts_a_row_longer_than_it_bitwise_too() -> None:
     assert torch.equal(dequantize_rows_into(torch.empty_like(x), q, scales, 256), values.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("rows,n", [(1, 1000), (3, 257), (16, 777), (2, 4097)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantizing_in_place_from_the_end_of_the_destination_s_own_memory_is_bitwise_too(
+        rows: int, n: int, out_dtype: torch.dtype) -> None:
+    """qwZ receives the int8 values in the last numel bytes of the unit's buffer and dequantizes them over it
+    (zero/quantized_comm.py's [Note: quantized collectives]): no value is overwritten before it is read."""
+    x = _data(rows, n, torch.float32, seed=n)
+    q, scales = quantize_rows(x, 64, 300)
+    full = torch.empty(rows * n, dtype=out_dtype)
+    tail = full.view(torch.int8)[-rows * n:]
+    tail.copy_(q.view(-1))
+    dequantize_rows_into(full.view(rows, n), tail.view(rows, n), scales, 64, 300)  # 300: many pieces, cut blocks
+    assert torch.equal(full.view(rows, n), _ref_dequantize_rows(q, scales, 64).to(out_dtype))
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1000), (3, 257), (16, 777)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_over_the_input_s_own_memory_is_bitwise_too(rows: int, n: int, dtype: torch.dtype) -> None:
+    """qgZ quantizes the gradient buffer into its own first numel bytes (zero/quantized_comm.py's [Note:
+    quantized collectives]): no element is overwritten before it is read."""
+    x = _data(rows, n, dtype, seed=n)
+    ref_q, ref_scales = _ref_quantize_rows(x, 64)
+    q, scales = quantize_rows(x, 64, 300, out=x.view(-1).view(torch.int8)[:rows * n].view(rows, n))
+    assert torch.equal(q, ref_q) and torch.equal(scales, ref_scales)
+
+
 def test_a_non_finite_element_still_poisons_its_block_and_only_its_block() -> None:
     x = _data(3, 700, torch.float32, seed=2)
     x[1, 300] = float("inf")
@@ -97,20 +123,22 @@ def test_a_non_finite_element_still_poisons_its_block_and_only_its_block() -> No
 # --- the temporaries are O(chunk) ---------------------------------------------------------------------
 
 class _LargestFloatTemporary(TorchDispatchMode):
-    """The largest fp32 storage any op creates while the mode is on (an op's output that is not a view of
-    one of its inputs)."""
+    """The largest fp32 storage and the largest int8 storage any op creates while the mode is on (an op's
+    output that is not a view of one of its inputs)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.largest_bytes = 0
+        self.largest_bytes = self.largest_int8_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and \
-                    t.untyped_storage().data_ptr() not in inputs:
-                self.largest_bytes = max(self.largest_bytes, t.untyped_storage().nbytes())
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                if t.dtype == torch.float32:
+                    self.largest_bytes = max(self.largest_bytes, t.untyped_storage().nbytes())
+                elif t.dtype == torch.int8:
+                    self.largest_int8_bytes = max(self.largest_int8_bytes, t.untyped_storage().nbytes())
         return out
 
 
@@ -119,27 +147,36 @@ def _collectives_temporaries(rank: int, world: int, numel: int) -> dict:
     each makes while quantizing (at launch) and landing (`wait()`)."""
     from zerodp.zero.quantized_comm import QuantizedGather, QuantizedReduceScatter
 
-    x = _data(1, numel, torch.bfloat16, seed=rank).view(-1)
+    x = _data(1, numel, torch.bfloat16, seed=0).view(-1)  # the same on both ranks: the gather is checkable
     largest = {}
-    full = torch.empty(numel, dtype=torch.bfloat16)
+    full, reduced = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel // world, dtype=torch.bfloat16)
     piece = numel // world
     for name, make in (("gather", lambda: QuantizedGather(full, x[rank * piece:(rank + 1) * piece], None, 256)),
-                       ("reduce", lambda: QuantizedReduceScatter(torch.empty(numel // world, dtype=torch.bfloat16),
-                                                                 x, None, 256))):
+                       ("reduce", lambda: QuantizedReduceScatter(reduced, x.clone(), None, 256))):  # scratch
         with _LargestFloatTemporary() as launch:
             work = make()
         with _LargestFloatTemporary() as land:
             work.wait()
-        largest[name] = (launch.largest_bytes, land.largest_bytes)
+        largest[name] = (launch.largest_bytes, land.largest_bytes, launch.largest_int8_bytes)
+    q, scales = _ref_quantize_rows(x.view(world, -1), 256)
+    values = _ref_dequantize_rows(q, scales, 256)
+    largest["gathered exactly"] = torch.equal(full, values.reshape(-1).to(full.dtype))
+    # every rank sent the same x, so this rank's piece arrived `world` times
+    largest["reduced exactly"] = torch.equal(reduced, values[rank].expand(world, -1).sum(dim=0).to(reduced.dtype))
     return largest
 
 
 def test_qwz_and_qgz_hold_fp32_temporaries_of_a_chunk_not_of_the_buffer() -> None:
     """2 ranks, a bf16 buffer of 3 chunks and a bit: gathering it with qwZ and reducing it with qgZ creates no
     fp32 tensor larger than a chunk (the whole-buffer formula made fp32 copies of all of it: 4 bytes an
-    element, twice the bf16 buffer)."""
+    element, twice the bf16 buffer), and no int8 buffer of the whole (the int8 values live in the bf16 buffers'
+    own memory); the gathered and reduced values are bitwise the whole-tensor formula's."""
     numel = 2 * (3 * CHUNK_NUMEL // 2 + 4 * 256 + 6)  # each rank's piece 1.5 chunks and 4 blocks, + 6 elements
     for largest in run_ranks(_collectives_temporaries, 2, args=(numel,), timeout=120):
-        for name, (launch_bytes, land_bytes) in largest.items():
+        assert largest.pop("gathered exactly") and largest.pop("reduced exactly")
+        for name, (launch_bytes, land_bytes, _) in largest.items():
             assert 0 < land_bytes <= 4 * CHUNK_NUMEL, (name, land_bytes)
             assert launch_bytes <= 4 * CHUNK_NUMEL, (name, launch_bytes)
+        # qwZ's int8 values arrive in the end of the unit's own buffer: the one int8 tensor made is this rank's
+        # piece; qgZ's are quantized over the gradient buffer and arrive in it: int8 pieces of a chunk only
+        assert largest["gather"][2] == numel // 2 and largest["reduce"][2] <= CHUNK_NUMEL

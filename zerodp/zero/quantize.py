@@ -102,14 +102,16 @@ def _quantize_piece(x: torch.Tensor, block_numel: int) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def quantize_rows(x: torch.Tensor, block_numel: int,
-                  chunk_numel: int = CHUNK_NUMEL) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, block_numel: int, chunk_numel: int = CHUNK_NUMEL,
+                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each row of `x` (rows, n) on its own: int8 (rows, n) and fp32 scales (rows, blocks).
-    See [Note: block quantization]; about `chunk_numel` elements at a time ([Note: bounded temporaries])."""
+    See [Note: block quantization]; about `chunk_numel` elements at a time ([Note: bounded temporaries]).
+    `out` (default: a new tensor): the int8 (rows, n) to write, which may be the first rows * n bytes of
+    `x`'s own contiguous memory (each piece is read before it is written, and writes byte j < e * j)."""
     if x.dim() != 2:
         raise AssertionError(f"quantize_rows takes (rows, n); got shape {tuple(x.shape)}")
     rows, n = x.shape
-    q = torch.empty((rows, n), dtype=torch.int8, device=x.device)
+    q = torch.empty((rows, n), dtype=torch.int8, device=x.device) if out is None else out
     scales = torch.empty((rows, num_blocks(n, block_numel)), dtype=torch.float32, device=x.device)
     for r, cols, blocks in _pieces(rows, n, block_numel, chunk_numel):
         q[r, cols], scales[r, blocks] = _quantize_piece(x[r, cols], block_numel)
