@@ -66,7 +66,8 @@ def quantized_bytes(numel: int, block_numel: int) -> int:
 def _pieces(num_rows: int, numel: int, block_numel: int, chunk_numel: int) -> Iterator[tuple[slice, slice, slice]]:
     """Cover a (num_rows, numel) tensor by pieces of about `chunk_numel` elements, each whole blocks of
     its rows (a row's last block may be partial): (rows, elements, blocks) slices. Whole rows at a
-    time when a row's blocks fit in a piece, else one row's blocks a piece at a time."""
+    time when a row's blocks fit in a piece, else one row's blocks a piece at a time; always front to
+    back in the flat order, which (de)quantizing in place relies on (zero/quantized_comm.py)."""
     blocks = num_blocks(numel, block_numel)
     blocks_per_piece = max(1, chunk_numel // block_numel)
     if blocks <= blocks_per_piece:
