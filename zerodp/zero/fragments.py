@@ -18,8 +18,8 @@ the same parameters in the same order, as in DeepSpeed. At stage 0 every rank ho
 parameter whole and nothing is sent. "full" setters take the whole value on every rank (the same
 value): each rank writes its own piece and, since every rank has the value, the 16-bit working
 copy too, without communication. "local" getters and setters work on this rank's piece, flat
-(None where the rank holds none of the parameter; the whole parameter at stage 0, where nothing
-is partitioned); `safe_set_local_fp32_param` gathers the new masters to refresh the working copy,
+(empty where the rank holds none of the parameter, so every rank gets a tensor as in DeepSpeed;
+the whole parameter at stage 0, where nothing is partitioned); `safe_set_local_fp32_param` gathers the new masters to refresh the working copy,
 so it is a collective at stages 1-3.
 
 Gradients exist between the boundary backward (which reduces them) and the step. Before the reduction
@@ -77,6 +77,12 @@ def _state_key(strategy: Strategy, key: str, api: str) -> bool:
         return bool(keys)
     raise ValueError(f"{api}(param, optim_state_key={key!r}): {type(strategy.optimizer).__name__} keeps no "
                      f"element-wise state {key!r}; it keeps {sorted(keys)}")
+
+
+def _state_dtype(strategy: Strategy, key: str) -> torch.dtype:
+    """The dtype of optimizer state `key` (which exists): for the empty piece of a rank holding none
+    of a parameter, which may have no state tensor to slice."""
+    return next(v.dtype for state in strategy.optimizer.state.values() for k, v in state.items() if k == key)
 
 
 def _gather(strategy: Strategy, param: nn.Parameter, pick: Callable[[Fragment], torch.Tensor]) -> torch.Tensor:
@@ -154,9 +160,7 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
     strategy = _strategy(param, "safe_get_full_optimizer_state", required=False)
     if strategy is None or not _state_key(strategy, optim_state_key, "safe_get_full_optimizer_state"):
         return None
-    # a rank holding none of the parameter may have no state tensor to slice: an empty one of the state's dtype
-    dtype = next(v.dtype for state in strategy.optimizer.state.values() for k, v in state.items() if k == optim_state_key)
-    none = torch.empty(0, dtype=dtype, device=strategy.device)
+    none = torch.empty(0, dtype=_state_dtype(strategy, optim_state_key), device=strategy.device)
     return _gather(strategy, param, lambda f: f.tensors.get(optim_state_key, none))
 
 
@@ -225,31 +229,29 @@ def _local(param: nn.Parameter, api: str, pick: Callable[[Fragment], torch.Tenso
     strategy = _strategy(param, api, required=False)
     if strategy is None:
         return None
-    fragment = strategy.fragment(param)
-    piece = pick(fragment)
-    if piece is None or not fragment.numel:
-        return None
-    return piece.detach().to(strategy.device, copy=True)
+    piece = pick(strategy.fragment(param))  # empty where this rank holds none of the parameter
+    return None if piece is None else piece.detach().to(strategy.device, copy=True)
 
 
 def safe_get_local_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
-    """This rank's piece of the parameter's fp32 master, flat (a copy); None where it holds none."""
+    """This rank's piece of the parameter's fp32 master, flat (a copy); empty where it holds none."""
     return _local(param, "safe_get_local_fp32_param", lambda f: f.tensors[MASTER])
 
 
 def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
-    """This rank's piece of the parameter's reduced gradient, flat; None where it holds none or
+    """This rank's piece of the parameter's reduced gradient, flat (empty where it holds none); None
     before the boundary backward."""
     return _local(param, "safe_get_local_grad", lambda f: f.grad)
 
 
 def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
-    """This rank's piece of the parameter's optimizer state `optim_state_key`, flat; None where it
-    holds none or before the first step."""
+    """This rank's piece of the parameter's optimizer state `optim_state_key`, flat (empty where it
+    holds none); None before the first step."""
     strategy = _strategy(param, "safe_get_local_optimizer_state", required=False)
     if strategy is None or not _state_key(strategy, optim_state_key, "safe_get_local_optimizer_state"):
         return None
-    return _local(param, "safe_get_local_optimizer_state", lambda f: f.tensors.get(optim_state_key))
+    none = torch.empty(0, dtype=_state_dtype(strategy, optim_state_key), device=strategy.device)
+    return _local(param, "safe_get_local_optimizer_state", lambda f: f.tensors.get(optim_state_key, none))
 
 
 @torch.no_grad()
