@@ -189,7 +189,7 @@ def _close(got: dict, want: dict, rtol: float = RTOL, atol: float = ATOL) -> Non
                                           ("stage3_gqa_padded_checkpointed", "stage3_gqa_padded")])
 def test_two_sequence_shards_train_as_one_rank_on_the_whole_sequence(runs: dict, run: str, unsplit: str) -> None:
     """Checkpointed too, with the model's key/value cache on: the recompute appends the layer's keys to the
-    cache again ([Note: a key/value cache under Ulysses]); attending to them gave gradients 1.2e-2 off."""
+    cache again ([Note: a key/value cache under Ulysses]); attending to them gave gradients up to 1.3e-2 off."""
     reference = runs["whole"][unsplit]
     for result in runs["split"]:
         assert result[run]["losses"] == pytest.approx(reference["losses"], rel=RTOL)
