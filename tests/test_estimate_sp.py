@@ -152,6 +152,17 @@ def test_with_every_block_checkpointed_the_formula_is_the_simulated_ledger_s(tmp
     assert {r["comm_bytes"]["all_to_all"] for r in rows if "comm_bytes" in r} == {2 * 3 * forward}
 
 
+def test_the_printed_line_names_the_recompute_s_all_to_alls(capsys) -> None:
+    from zerodp.cli.estimate import _print_sequence_parallel
+    from zerodp.plan.sequence import Heads, all_to_all_bytes
+
+    for policy, said in [("blocks", ", the forward's again in the recompute of 2 checkpointed layers, 147,456 over"),
+                         ("none", " backward, 98,304 over")]:
+        exchanged = all_to_all_bytes(Heads(4, 2, 8, 2, "sdpa"), MICRO, SEQ, 2, 4, policy).as_dict()
+        _print_sequence_parallel({"sequence_parallel": 2, "world_size": 2, "all_to_all_bytes": exchanged}, MICRO, SEQ)
+        assert said in capsys.readouterr().out, policy
+
+
 def test_model_states_do_not_depend_on_s_zero_partitions_over_every_rank(capsys) -> None:
     def rows(*flags: str) -> list[dict]:
         assert main(["estimate", str(ROOT / "docs/models/llama-8b"), "--world-size", "8", "--model-states-only",
