@@ -130,6 +130,39 @@ def test_the_all_to_all_bytes_are_the_runtime_ledger_s(llama, real) -> None:
     assert {r["sequence_parallel"] for r in rows} == {2}
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_with_every_block_checkpointed_the_formula_is_the_simulated_ledger_s(tmp_path, kv_heads: int) -> None:
+    """Forward, the recompute's forward and backward: 3x one forward's bytes per layer, for key/value heads
+    cut over S = 2 (2) and repeated to both ranks (1) ([Note: Ulysses under activation checkpointing]).
+    Before zerodp/sequence/attention.py's [Note: a key/value cache under Ulysses] the recompute's k and v
+    carried the cache's doubled keys: the ledger counted 163,840 bytes for the formula's 147,456."""
+    from transformers import LlamaConfig
+
+    from zerodp.plan.estimate import estimate_rows
+    from zerodp.plan.workload import workload
+
+    LlamaConfig(**{**LLAMA, "num_key_value_heads": kv_heads}).save_pretrained(tmp_path)
+    work = workload(str(tmp_path))
+    rows = estimate_rows(1, 2, "fp32", module=work.meta(), work=work, micro_batch=MICRO, seq_len=SEQ,
+                         sequence_parallel=2, policies=("blocks",))
+    exchanged = rows[0]["all_to_all_bytes"]
+    forward = 4 * MICRO * (SEQ // 2) * 8 * (4 + 4 + 4)  # q, output: 4 heads; k, v: 2 heads (cut or repeated)
+    assert exchanged == {"forward_per_layer": forward, "backward_per_layer": forward, "layers": 2,
+                         "recomputed_layers": 2, "per_micro_batch": 2 * 3 * forward}
+    assert {r["comm_bytes"]["all_to_all"] for r in rows if "comm_bytes" in r} == {2 * 3 * forward}
+
+
+def test_the_printed_line_names_the_recompute_s_all_to_alls(capsys) -> None:
+    from zerodp.cli.estimate import _print_sequence_parallel
+    from zerodp.plan.sequence import Heads, all_to_all_bytes
+
+    for policy, said in [("blocks", ", the forward's again in the recompute of 2 checkpointed layers, 147,456 over"),
+                         ("none", " backward, 98,304 over")]:
+        exchanged = all_to_all_bytes(Heads(4, 2, 8, 2, "sdpa"), MICRO, SEQ, 2, 4, policy).as_dict()
+        _print_sequence_parallel({"sequence_parallel": 2, "world_size": 2, "all_to_all_bytes": exchanged}, MICRO, SEQ)
+        assert said in capsys.readouterr().out, policy
+
+
 def test_model_states_do_not_depend_on_s_zero_partitions_over_every_rank(capsys) -> None:
     def rows(*flags: str) -> list[dict]:
         assert main(["estimate", str(ROOT / "docs/models/llama-8b"), "--world-size", "8", "--model-states-only",

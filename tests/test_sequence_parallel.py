@@ -76,13 +76,16 @@ def _finish(engine, model, losses: list, grads: dict) -> dict:
 
 
 def _train(sp_size: int, stage: int, kv_heads: int = KV_HEADS, seq: int = SEQ, save: str | None = None,
-           samples: bool = False) -> dict:
-    """Train STEPS steps on `_batch(step, data-parallel rank)`, each rank its sequence shard when sp_size > 1;
+           samples: bool = False, checkpointed: bool = False) -> dict:
+    """Train STEPS steps on `_batch(step, data-parallel rank)`, each rank its sequence shard when sp_size > 1,
+    every block checkpointed when `checkpointed` (the model's key/value cache left on, its config's default);
     the first step's reduced gradients (stage 0), the final parameters and the last step's ledger."""
     import zerodp
     import zerodp.sequence as sequence
 
     model = _llama(kv_heads)
+    if checkpointed:
+        zerodp.checkpointing.apply(model, "blocks")
     if sp_size > 1:
         sequence.register_attention(model, "sdpa", sequence.initialize_sequence_parallel(sp_size))
     engine, *_ = zerodp.initialize(model=model, config=_config(sp_size, stage))
@@ -133,7 +136,8 @@ def _deepspeed_api(rank: int) -> dict:
 
 def _two_ranks(rank: int, world: int, checkpoint: str) -> dict:
     return {"stage0": _train(2, 0), "stage3_gqa_padded": _train(2, 3, kv_heads=1, seq=SEQ - 1, save=checkpoint),
-            "deepspeed_api": _deepspeed_api(rank)}
+            "deepspeed_api": _deepspeed_api(rank), "stage0_checkpointed": _train(2, 0, checkpointed=True),
+            "stage3_gqa_padded_checkpointed": _train(2, 3, kv_heads=1, seq=SEQ - 1, checkpointed=True)}
 
 
 def _one_rank(rank: int, world: int, checkpoint: str) -> dict:
@@ -180,9 +184,13 @@ def _close(got: dict, want: dict, rtol: float = RTOL, atol: float = ATOL) -> Non
         torch.testing.assert_close(got[name], tensor, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("run", ["stage0", "stage3_gqa_padded"])
-def test_two_sequence_shards_train_as_one_rank_on_the_whole_sequence(runs: dict, run: str) -> None:
-    reference = runs["whole"][run]
+@pytest.mark.parametrize("run, unsplit", [("stage0", "stage0"), ("stage3_gqa_padded", "stage3_gqa_padded"),
+                                          ("stage0_checkpointed", "stage0"),
+                                          ("stage3_gqa_padded_checkpointed", "stage3_gqa_padded")])
+def test_two_sequence_shards_train_as_one_rank_on_the_whole_sequence(runs: dict, run: str, unsplit: str) -> None:
+    """Checkpointed too, with the model's key/value cache on: the recompute appends the layer's keys to the
+    cache again ([Note: a key/value cache under Ulysses]); attending to them gave gradients up to 1.3e-2 off."""
+    reference = runs["whole"][unsplit]
     for result in runs["split"]:
         assert result[run]["losses"] == pytest.approx(reference["losses"], rel=RTOL)
         _close(result[run]["grads"], reference["grads"])
@@ -223,6 +231,21 @@ def test_the_ledger_counts_eight_all_to_alls_per_layer_of_the_formula_s_bytes(ru
         assert record["bytes"] == _all_to_all_bytes(kv_heads)
     assert _all_to_all_bytes(1) == _all_to_all_bytes(2)  # one key/value head repeated to 2 ranks sends as 2
     assert "all_to_all[float32]" not in runs["whole"][run]["ledger"]
+
+
+@pytest.mark.parametrize("run, kv_heads", [("stage0_checkpointed", KV_HEADS), ("stage3_gqa_padded_checkpointed", 1)])
+def test_checkpointed_blocks_add_the_recompute_s_four_all_to_alls_of_the_forward_s_bytes(runs: dict, run: str,
+                                                                                      kv_heads: int) -> None:
+    """zerodp/plan/sequence.py's formula with checkpointing: forward, recompute and backward, 3x one forward's
+    bytes per layer, for key/value heads cut (2 over S = 2) and repeated (1 to both ranks). Before the fix the
+    recompute's k and v carried the cache's doubled keys: 40,960 bytes for 36,864."""
+    from zerodp.plan.sequence import Heads, all_to_all_bytes
+
+    formula = all_to_all_bytes(Heads(HEADS, kv_heads, HEAD_DIM, LAYERS, "sdpa"), MICRO, SEQ, 2, 4, "blocks")
+    assert formula.per_micro_batch == _all_to_all_bytes(kv_heads) * 3 // 2 == 36_864
+    for result in runs["split"]:
+        record = result[run]["ledger"]["all_to_all[float32]"]
+        assert (record["calls"], record["bytes"]) == (LAYERS * 12, formula.per_micro_batch)
 
 
 def test_activations_per_rank_fall_by_the_sequence_parallel_size(runs: dict) -> None:
@@ -281,6 +304,29 @@ def test_heads_split_over_s_and_too_few_key_value_heads_are_repeated() -> None:
     with pytest.raises(ValueError, match=r"num_key_value_heads \(3\) and sequence_parallel_size \(2\): neither "
                                          r"divides the other"):
         kv_replication(6, 3, 2)
+
+
+def test_a_key_value_cache_outside_a_recompute_is_refused_and_a_recompute_s_is_cut_to_its_own_tokens() -> None:
+    from zerodp.sequence.attention import _own_tokens
+
+    query, key = torch.zeros(2, 4, 8, 8), torch.arange(2 * 2 * 16 * 8.0).reshape(2, 2, 16, 8).requires_grad_()
+    with pytest.raises(ValueError, match=r"Ulysses attention got key \(2, 2, 16, 8\) and value \(2, 2, 16, 8\) for "
+                                         r"query \(2, 4, 8, 8\) .*\(use_cache=False"):
+        _own_tokens(query, key, key)
+    seen = []
+
+    class _Backward(torch.autograd.Function):  # runs `_own_tokens` inside backward, where a recompute runs
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(_own_tokens(query, key, key)[0])
+            return grad
+
+    _Backward.apply(key).sum().backward()
+    assert torch.equal(seen[0], key[:, :, 8:])  # the cache appends: the last 8 positions are this call's
 
 
 def test_a_batch_is_cut_along_the_sequence_with_labels_shifted_before_the_cut() -> None:

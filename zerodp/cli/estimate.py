@@ -288,7 +288,9 @@ def _print_sequence_parallel(row: dict, micro_batch: int, seq_len: int | None) -
              "of the heads inside it" if seq_len else ""))
     if exchanged:
         print(f"all-to-all per rank and micro-batch of {micro_batch}: {exchanged['forward_per_layer']:,} bytes per layer "
-              f"forward (q, k, v, output), {exchanged['backward_per_layer']:,} backward, {exchanged['per_micro_batch']:,} "
+              f"forward (q, k, v, output), {exchanged['backward_per_layer']:,} backward"
+              + (f", the forward's again in the recompute of {exchanged['recomputed_layers']} checkpointed layers"
+                 if exchanged["recomputed_layers"] else "") + f", {exchanged['per_micro_batch']:,} "
               f"over {exchanged['layers']} layers ({(sp - 1) / sp:.0%} of it leaves the rank)")
 
 

@@ -48,11 +48,12 @@ def estimate_rows(numel: int, num_ranks: int, dtype: str, largest_layer: int = 0
     keys of the stage-3 rows (zerodp/plan/zeropp.py; rows the runtime refuses with them are left out); a
     simulated row's `comm_ops` is its step's comm ledger by op and dtype (int8 payloads apart from fp32 scales)."""
     simulated: dict = {}
-    sp_fields = _sequence_fields(module, dtype, micro_batch, seq_len if work is not None else 0, sequence_parallel)
     strategies = [s for s in every_strategy(dtype) if zeropp.trains(s)]
     runs = len(policies) * len({s.device_twin() for s in strategies})
     rows = []
     for policy in policies if work is not None else (None,):
+        sp_fields = _sequence_fields(module, dtype, micro_batch, seq_len if work is not None else 0, sequence_parallel,
+                                     policy)
         for s in strategies:
             if module is None:
                 states = model_states(numel, num_ranks, s)
@@ -105,12 +106,13 @@ def _peak_fields(cache: dict, work: Workload, s: StrategySpec, num_ranks: int, m
 
 
 def _sequence_fields(module: "torch.nn.Module | None", dtype: str, micro_batch: int, seq_len: int,
-                     sequence_parallel: int) -> dict:
+                     sequence_parallel: int, policy: str | None) -> dict:
     """A row's sequence-parallel fields: S, and with a model and a sequence length the all-to-all bytes
-    one rank hands over per layer and per micro-batch (zerodp/plan/sequence.py: the comm ledger's count)."""
+    one rank hands over per layer and per micro-batch under checkpointing `policy` (zerodp/plan/sequence.py:
+    the comm ledger's count)."""
     heads = model_heads(module)
     exchanged = None if heads is None or not seq_len else \
-        all_to_all_bytes(heads, micro_batch, seq_len, sequence_parallel, DTYPES[dtype]).as_dict()
+        all_to_all_bytes(heads, micro_batch, seq_len, sequence_parallel, DTYPES[dtype], policy).as_dict()
     return {"sequence_parallel": sequence_parallel, "all_to_all_bytes": exchanged}
 
 

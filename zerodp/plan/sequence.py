@@ -16,6 +16,20 @@ inputs, one recomputed block, the rotary tables, the attention's statistics), so
 is affine in L, peak(L) = fixed + per_token x L (`longest_sequence` finds the longest L from two
 simulations and checks it with two more); and the FLOPs per rank are the unsplit sequence's over S
 (every matmul and the attention of H/S heads run on one S-th of the work).
+
+[Note: Ulysses under activation checkpointing]
+A checkpointed block keeps only its input, so backward runs its forward again, and the attention's
+saved tensors (q, k, v for H/S heads over all L tokens, the output that o_proj saves) exist only after
+the all-to-alls: the recompute exchanges the forward's bytes once more, and a layer hands over 3x its
+forward's bytes (forward, recompute, backward) instead of 2x. That is inherent in checkpointing the
+whole block (keeping the exchanged tensors would keep what checkpointing frees). Each all-to-all's
+backward hands over exactly its forward's tensor, so the per-layer figures are the same with and
+without it; `recomputed_layers` counts the blocks a policy checkpoints (every decoder layer, the
+blocks zerodp.checkpointing.apply finds; "selective" is counted as "blocks", its policy recomputes the
+collectives, and is not measured: torch's selective checkpointing fails on transformers' Llama). Measured (tests/test_sequence_parallel.py,
+tests/test_estimate_sp.py): the real and the simulated ledgers equal this, for key/value heads cut
+(K >= S) and repeated (K < S). Before zerodp/sequence/attention.py's [Note: a key/value cache under
+Ulysses] they counted 3.2x for Llama-3.1-8B at S = 8: the recompute sent the keys and values twice.
 """
 
 from __future__ import annotations
@@ -103,33 +117,41 @@ def sequence_parallel_sizes(num_ranks: int, heads: Heads) -> list[int]:
 @dataclass(frozen=True)
 class AllToAll:
     """Bytes one rank hands to Ulysses' all-to-alls per micro-batch: per layer forward (q, k, v and the
-    attention output) and backward (their gradients), and over all layers of one micro-batch."""
+    attention output) and backward (their gradients), the forward's again in the recompute of each
+    checkpointed layer, and over all layers of one micro-batch."""
 
     forward_per_layer: int
     backward_per_layer: int
     num_layers: int
+    recomputed_layers: int = 0  # layers whose forward, the all-to-alls included, backward runs again
 
     @property
     def per_micro_batch(self) -> int:
-        return self.num_layers * (self.forward_per_layer + self.backward_per_layer)
+        return self.num_layers * (self.forward_per_layer + self.backward_per_layer) + \
+            self.recomputed_layers * self.forward_per_layer
 
     def as_dict(self) -> dict:
         return {"forward_per_layer": self.forward_per_layer, "backward_per_layer": self.backward_per_layer,
-                "layers": self.num_layers, "per_micro_batch": self.per_micro_batch}
+                "layers": self.num_layers, "recomputed_layers": self.recomputed_layers,
+                "per_micro_batch": self.per_micro_batch}
 
 
-def all_to_all_bytes(heads: Heads, micro_batch: int, seq_len: int, sp_size: int, dtype_bytes: int) -> AllToAll:
+def all_to_all_bytes(heads: Heads, micro_batch: int, seq_len: int, sp_size: int, dtype_bytes: int,
+                     activation_checkpointing: str | None = "none") -> AllToAll:
     """What the comm ledger counts for Ulysses' all-to-alls on one rank (an all-to-all counts the tensor
     handed over: zerodp/comm/ledger.py): per layer forward, q [b, L/S, H, d], k and v with the key/value
     heads repeated up to S when there are fewer (zerodp/sequence/attention.py), and the output
-    [b, L/S, H, d]; backward the same shapes again. 2 x dtype x b x L/S x d x (2H + 2 max(K, S)) per layer."""
+    [b, L/S, H, d]; backward the same shapes again. 2 x dtype x b x L/S x d x (2H + 2 max(K, S)) per layer,
+    and the forward's half once more per layer under a checkpointing policy ([Note: Ulysses under
+    activation checkpointing])."""
     from zerodp.sequence.attention import kv_replication
 
     if sp_size == 1:
         return AllToAll(0, 0, heads.num_layers)
     kv_sent = heads.num_kv_heads * kv_replication(heads.num_heads, heads.num_kv_heads, sp_size)
     forward = dtype_bytes * micro_batch * (seq_len // sp_size) * heads.head_dim * (2 * heads.num_heads + 2 * kv_sent)
-    return AllToAll(forward, forward, heads.num_layers)
+    recomputed = heads.num_layers if activation_checkpointing not in (None, "none") else 0
+    return AllToAll(forward, forward, heads.num_layers, recomputed)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,21 @@ this rank's share of the heads (see [Note: the Ulysses all-to-all], zerodp/seque
 
 query/key/value come in HF's layout [batch, heads, seq/S, head_dim] (this rank's sequence shard); the
 output leaves as [batch, seq/S, heads, head_dim], what HF's attention functions return.
+
+[Note: a key/value cache under Ulysses]
+transformers' models fill a key/value cache in every forward where `use_cache` is on, which their
+configs default to, training included (Hugging Face's `gradient_checkpointing_enable()` turns it off;
+`zerodp.checkpointing.apply` leaves the model alone). A checkpointed block's recompute runs the
+attention again with the same cache, which appends the layer's keys and values a second time: they
+arrive here with 2 x seq/S positions, the forward's and the recompute's (equal values). Unsplit,
+transformers' sdpa cuts a key longer than the query back to its first positions, which are right by
+accident. Through the all-to-all the S ranks' doubled shards interleave (rank 0's twice, then rank
+1's twice, ...), so that cut attended to rank 0's tokens twice: wrong gradients (up to 1.3e-2 off on a tiny
+Llama at S = 2), and the recompute exchanged twice the key/value bytes (Llama-3.1-8B at S = 8: 3.2x one
+forward's all-to-all bytes per layer where forward, recompute and backward make 3x). So inside
+backward (a recompute) the attention takes the last seq/S positions, the ones this call computed (a
+cache appends at the end); anywhere else a key longer than the query is a cache of other tokens
+(generation, a StaticCache), which a sequence shard cannot attend to: ValueError.
 """
 
 from __future__ import annotations
@@ -40,6 +55,20 @@ def kv_replication(num_heads: int, num_kv_heads: int, sp_size: int) -> int:
     raise ValueError(f"num_key_value_heads ({num_kv_heads}) and sequence_parallel_size ({sp_size}): neither divides the "
                      "other, so the key/value heads cannot be cut or repeated evenly across the ranks; use a "
                      f"sequence_parallel_size that divides {num_kv_heads} or is a multiple of it")
+
+
+def _own_tokens(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value of the query's own tokens, [batch, kv heads, seq/S, head_dim], or ValueError
+    for a key/value cache under sequence parallelism ([Note: a key/value cache under Ulysses])."""
+    length = query.shape[2]
+    if key.shape[2] == value.shape[2] == length:
+        return key, value
+    if key.shape[2] == value.shape[2] > length and torch._C._current_graph_task_id() != -1:  # a recompute
+        return key[:, :, -length:], value[:, :, -length:]
+    raise ValueError(f"Ulysses attention got key {tuple(key.shape)} and value {tuple(value.shape)} for query "
+                     f"{tuple(query.shape)} ([batch, heads, seq, head_dim]): a key/value cache holds tokens of other "
+                     "calls, which a rank's sequence shard cannot attend to; train sequence-parallel without one "
+                     "(use_cache=False in the model's forward, or model.config.use_cache = False)")
 
 
 @contextlib.contextmanager
@@ -81,6 +110,7 @@ class UlyssesAttention:
         if size == 1 or (self.disable_in_eval and not getattr(module, "training", True)):
             return self.core(module, query, key, value, attention_mask, *args, **kwargs)
         self._check_heads(query, key)
+        key, value = _own_tokens(query, key, value)
         if self.kv_repeats > 1:
             key = key.repeat_interleave(self.kv_repeats, dim=1)
             value = value.repeat_interleave(self.kv_repeats, dim=1)
