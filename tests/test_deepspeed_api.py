@@ -68,12 +68,16 @@ def _destroy_and_init_again(rank: int, world: int, init_file: str) -> tuple:
     dist.init_distributed("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     total = torch.ones(1)
     dist.all_reduce(total)
-    return gone, total.item()
+    alone = dist.new_group([rank for rank in range(world)][:1])  # every rank creates it; rank 0 is in it
+    own = torch.ones(1)
+    if rank == 0:
+        dist.all_reduce(own, group=alone)
+    return gone, total.item(), own.item()
 
 
 def test_destroy_process_group_ends_the_group_and_a_new_one_can_start(tmp_path: Path) -> None:
     results = run_ranks(_destroy_and_init_again, 2, args=(str(tmp_path / "again"),), timeout=120)
-    assert results == [(False, 2.0), (False, 2.0)]
+    assert results == [(False, 2.0, 1.0), (False, 2.0, 1.0)]  # new_group([0]): rank 0 sums with itself
 
 
 # --- utils: RepeatingLoader, OnDevice ----------------------------------------------------------------

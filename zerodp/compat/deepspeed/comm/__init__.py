@@ -63,6 +63,12 @@ def get_world_group() -> object:
     return torch.distributed.group.WORLD
 
 
+def new_group(ranks: list[int]) -> object:
+    """DeepSpeed's `new_group(ranks)`: a process group of those global ranks (every rank calls it, for
+    every group, in the same order, as torch requires)."""
+    return _comm.new_group(ranks)
+
+
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: object = None, async_op: bool = False,
                prof: bool = False, log_name: str = "all_reduce", debug: object = None):
     return _comm.all_reduce(tensor, op=op, group=group, async_op=async_op)
@@ -85,5 +91,5 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: o
 __all__ = ["ReduceOp", "all_gather_into_tensor", "all_reduce", "barrier", "broadcast", "destroy_process_group",
            "get_global_rank",
            "get_local_rank", "get_rank", "get_world_group", "get_world_size", "init_distributed", "is_available",
-           "is_initialized", "reduce", "reduce_scatter_tensor"]
+           "is_initialized", "new_group", "reduce", "reduce_scatter_tensor"]
 __getattr__ = missing_attributes(__name__)
