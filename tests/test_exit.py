@@ -144,3 +144,36 @@ def test_the_exit_waits_for_a_busy_backend_worker_thread() -> None:
     settled = time.monotonic()
     worker.join()
     assert settled >= until - 0.05, f"returned {until - settled:.3f} s before the worker stopped"
+
+
+def test_a_settled_collective_returns_once_the_backend_let_go_of_its_tensors() -> None:
+    """zerodp.plan.measure's traces run settled (comm.settled_collectives): a sync collective or a
+    waited async one leaves no tensor with gloo's threads, even when the GIL stays with the main thread."""
+    from tests.harness import run_ranks
+
+    assert run_ranks(_held_after_each_collective, world_size=2) == [[0] * 5] * 2
+
+
+def _held_after_each_collective(rank: int, world_size: int) -> list[int]:
+    import torch
+
+    from zerodp import comm
+
+    held, interval = [], sys.getswitchinterval()
+    sys.setswitchinterval(30)  # the worker gets the GIL only when the main thread waits
+    try:
+        with comm.settled_collectives():
+            t, gathered = torch.ones(1024), torch.empty(2048)
+            comm.all_reduce(t)
+            held.append(comm.pending_collectives())
+            comm.all_gather_into_tensor(gathered, t)
+            held.append(comm.pending_collectives())
+            comm.reduce_scatter_tensor(torch.empty(1024), gathered, async_op=True).wait()
+            held.append(comm.pending_collectives())
+            comm.all_to_all_single(torch.empty(1024), t)
+            held.append(comm.pending_collectives())
+            comm.broadcast(t, src=1)
+            held.append(comm.pending_collectives())
+    finally:
+        sys.setswitchinterval(interval)
+    return held

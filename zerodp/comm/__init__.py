@@ -63,6 +63,7 @@ from zerodp.comm.lifecycle import (
     pending_collectives,
     set_simulated_device,
     settle_backend_threads,
+    settled_collectives,
     simulated,
 )
 
@@ -73,5 +74,6 @@ __all__ = [
     "device_for_backend", "drain_pending", "end_init", "end_step", "free_after_wait", "gather_messages", "get_rank", "get_world_size",
     "init_distributed", "is_initialized", "ledger", "link_of", "new_group", "on_every_rank", "outside_step",
     "pending_collectives", "records_to_own_ledger", "recording", "reduce", "reduce_scatter_tensor",
-    "set_node_layout", "set_simulated_device", "settle_backend_threads", "simulated",
+    "set_node_layout", "set_simulated_device", "settle_backend_threads", "settled_collectives",
+    "simulated",
 ]

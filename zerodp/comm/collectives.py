@@ -15,6 +15,8 @@ from zerodp.comm.ledger import record
 from zerodp.comm.lifecycle import (
     handed_over,
     naming_lost_peers,
+    settle,
+    take_handed,
     unwaited,
     get_rank,
     get_world_size,
@@ -32,6 +34,7 @@ class Pending:
 
     def __init__(self, works: list, then: Callable[[], object] | None = None, tensors: tuple = ()) -> None:
         self.works, self.then, self.tensors = works, then, tensors
+        self.handed = take_handed()
         self.launched = timers.launched()  # its flight, for the step breakdown (zerodp/timers.py)
         unwaited.add(self)
 
@@ -40,11 +43,13 @@ class Pending:
 
     def wait(self) -> bool:
         works, self.works = self.works, []  # see [Note: leaving nothing for interpreter shutdown]
-        with naming_lost_peers():
-            for work in works:
-                work.wait()
         if works:
+            with naming_lost_peers():
+                while works:
+                    works.pop().wait()  # and dropped: no local holds a work while `settle` waits
             timers.in_flight(self.launched)
+        settle(self.handed)
+        self.handed = []
         if self.then is not None:
             self.then()
             self.then = None
@@ -63,7 +68,10 @@ def free_after_wait(tensor: torch.Tensor) -> None:
 
 def _pending(work: dist.Work | None, *tensors: torch.Tensor) -> Pending | None:
     """What an async torch collective on `tensors` becomes (a sync one returns None)."""
-    return None if work is None else Pending([work], tensors=tensors)
+    if work is None:
+        settle(take_handed())
+        return None
+    return Pending([work], tensors=tensors)
 
 
 def _finish(pending: Pending, async_op: bool) -> Pending | None:
@@ -110,6 +118,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | Non
     record("broadcast", tensor, group)
     with naming_lost_peers():
         dist.broadcast(handed_over(tensor), src=src, group=group)
+    settle(take_handed())
 
 
 def all_gather_into_tensor(
@@ -131,9 +140,9 @@ def all_gather_into_tensor(
     mine = chunks[get_rank(group)]
     if mine.data_ptr() != input.data_ptr():  # in place when `input` is already this rank's chunk
         mine.copy_(input.view(-1))
-    works = [dist.broadcast(handed_over(chunk), src=_global(group, r), group=group, async_op=True)
-             for r, chunk in enumerate(chunks)]
-    return _finish(Pending(works, tensors=(output, input)), async_op)
+    pending = Pending([dist.broadcast(handed_over(chunk), src=_global(group, r), group=group, async_op=True)
+                       for r, chunk in enumerate(chunks)], tensors=(output, input))
+    return _finish(pending, async_op)  # no local holds the works: settled mode waits for their release
 
 
 def reduce_scatter_tensor(
@@ -152,10 +161,11 @@ def reduce_scatter_tensor(
             return _pending(_reduce_scatter_single(handed_over(output), handed_over(input), op=op, group=group,
                                                    async_op=async_op), output, input)
     chunks = input.view(-1).chunk(get_world_size(group))
-    works = [dist.reduce(handed_over(chunk), dst=_global(group, r), op=op, group=group, async_op=True)
-             for r, chunk in enumerate(chunks)]
     mine = chunks[get_rank(group)]
-    return _finish(Pending(works, then=lambda: output.view(-1).copy_(mine), tensors=(output, input)), async_op)
+    pending = Pending([dist.reduce(handed_over(chunk), dst=_global(group, r), op=op, group=group, async_op=True)
+                       for r, chunk in enumerate(chunks)], then=lambda: output.view(-1).copy_(mine),
+                      tensors=(output, input))
+    return _finish(pending, async_op)
 
 
 def all_to_all_single(

@@ -14,6 +14,8 @@ executes, as torch's profiler records it (`profile_memory=True`: one event per a
 storage resizes included, with its byte count), so kernel-internal temporaries that never pass
 through Python dispatch are in it too. Allocations made before the trace starts are not; what gloo
 or the C library allocate outside c10 is not either. On CUDA use `torch.cuda.max_memory_allocated`.
+Inside the trace zerodp's collectives are settled (`comm.settled_collectives`): each returns once
+gloo's thread has let go of its tensors, so the figures do not depend on that thread's timing.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ class AllocatorTrace:
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._events: list[tuple[int, int]] = []  # (start ns, +bytes allocated / -bytes freed)
         self._marks: dict[str, int] = {}
+        self._settled = comm.settled_collectives()
 
     def __enter__(self) -> "AllocatorTrace":
+        self._settled.__enter__()
         self._profile.__enter__()
         return self
 
@@ -51,6 +55,7 @@ class AllocatorTrace:
 
     def __exit__(self, *exc: Any) -> None:
         self._profile.__exit__(*exc)
+        self._settled.__exit__(*exc)
         for event in self._profile.profiler.kineto_results.events():
             if event.name() == "[memory]":
                 self._events.append((event.start_ns(), event.nbytes()))
