@@ -237,6 +237,25 @@ def test_a_simulated_peak_is_affine_in_the_sequence(llama) -> None:
         assert peaks[2] - peaks[1] == 2 * (peaks[1] - peaks[0]), (sp, policy, peaks)
 
 
+def test_a_config_without_the_key_value_cache_simulates_no_sequence_by_sequence_mask(tmp_path) -> None:
+    """With `use_cache: false` transformers looks for packed documents in the position ids by value, and
+    on fake tensors it would build the s x s mask that the real, unpacked batch never gets (the peak went
+    1,281,416 / 3,164,528 / 10,477,936 bytes at 256 / 512 / 1,024 tokens): the simulation answers the check
+    as the real batch does, so the peak is a line again, below the one with the cache (which keeps every
+    layer's keys and values)."""
+    from transformers import LlamaConfig
+
+    from zerodp.plan.model_states import StrategySpec
+    from zerodp.plan.simulate import simulate_strategy
+    from zerodp.plan.workload import workload
+
+    LlamaConfig(**LLAMA, use_cache=False).save_pretrained(tmp_path)
+    peaks = [simulate_strategy(workload(str(tmp_path)), StrategySpec(3, "cpu"), 2, 1, n, "none").peak["device"].bytes
+             for n in (256, 512, 1024)]
+    assert peaks[2] - peaks[1] == 2 * (peaks[1] - peaks[0]), peaks
+    assert peaks == [1019288, 1993112, 3940760]  # measured; with the cache: 1,052,056 / 2,058,648 / 4,071,832
+
+
 def _memory_table() -> list[dict]:
     """docs/memory.md's longest-sequence rows: GPUs, S, tokens, ALST's figure."""
     text = (ROOT / "docs/memory.md").read_text()

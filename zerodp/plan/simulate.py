@@ -32,6 +32,11 @@ holds it), as it must in a real run. What a fake run does not reproduce:
   attention in 16 bits without a mask, memory-efficient attention otherwise (both keep O(s) per
   head for backward). With enable_gqa, keys and values are repeated to the query heads first (a
   GPU kernel that shares them natively holds less).
+- packed documents: transformers (5.x) looks for them in the position ids by value when no key/value
+  cache is passed, and treats a fake tensor as traced, so it would build an s x s mask that the real
+  batch does not get. The estimator's rows are one sequence each (positions 0..s-1, or a contiguous
+  shard of them under Ulysses), so on fake tensors the check answers "not packed", as it does for
+  the real batch (`_unpacked_rows`).
 Storage resizes (stage 3 frees a gathered unit with `UntypedStorage.resize_(0)`) do not pass
 through dispatch, so `UntypedStorage.resize_` is wrapped while the world exists.
 torch's private `torch.testing._internal.distributed.fake_pg` and the fused-optimizer device list
@@ -159,7 +164,7 @@ def simulated_world(world_size: int, rank: int = 0, device: str = "meta") -> Ite
     recorder = LiveBytes(device)
     try:
         with _fused_kernels_on(device), FakeTensorMode(allow_non_fake_inputs=True), counting_resizes(recorder), \
-                recorder, _gpu_attention():
+                recorder, _gpu_attention(), _unpacked_rows():
             yield recorder
     finally:
         dist.destroy_process_group()
@@ -212,6 +217,33 @@ def _gpu_attention() -> Iterator[None]:
         yield
     finally:
         functional.scaled_dot_product_attention = original
+
+
+@contextmanager
+def _unpacked_rows() -> Iterator[None]:
+    """transformers' packed-document check answers "not packed" for fake position ids while inside (see
+    [Note: simulating a rank]); a no-op where transformers is not imported or has no such check."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    masking = None
+    if "transformers" in sys.modules:  # a model of transformers' is built after the world starts
+        try:
+            import transformers.masking_utils as masking
+        except ImportError:  # a transformers before 4.53 checks nothing
+            pass
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
+        return None if isinstance(position_ids, FakeTensor) else original(position_ids)
+
+    masking.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
 
 
 @contextmanager
