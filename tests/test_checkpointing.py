@@ -251,3 +251,18 @@ def test_hugging_face_gradient_checkpointing_enable_works_under_zerodp(stage: in
     assert losses_a == losses_b and all(torch.equal(a, b) for a, b in zip(params_a, params_b))
     assert saved_b * 5 < saved_a  # measured: 292,740 -> 29,572 bytes
 
+
+def test_apply_turns_a_hugging_face_models_kv_cache_off_and_remove_turns_it_back_on() -> None:
+    """The cache would keep every layer's keys and values from forward to backward, and a recompute
+    appends them again; transformers' gradient_checkpointing_enable() turns it off for training too."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config)
+    assert model.config.use_cache is True
+    checkpointing.apply(model)
+    assert model.config.use_cache is False
+    ids = torch.randint(0, 64, (2, 8))
+    assert model(input_ids=ids).past_key_values is None
+    checkpointing.remove(model)
+    assert model.config.use_cache is True

@@ -220,11 +220,28 @@ def apply(model: nn.Module, policy: str = "blocks", k: int = 1, module_classes: 
     context_fn = _selective_context if selective else torch_checkpoint.noop_context_fn
     for _, block in blocks:
         _wrap(block, context_fn)
+    if blocks:
+        _without_kv_cache(model)
     return [name for name, _ in blocks]
 
 
+def _without_kv_cache(model: nn.Module) -> None:
+    """Turn off a Hugging Face model's key/value cache (`config.use_cache`, on by default), as
+    transformers' own gradient_checkpointing_enable() does for training: the cache keeps every
+    layer's keys and values alive from forward to backward, which checkpointing is there to free,
+    and a recompute appends them a second time (under Ulysses that doubled the k/v all-to-alls:
+    zerodp/sequence/attention.py's [Note: a key/value cache under Ulysses]). `remove` restores it."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is True:
+        config.use_cache = False
+        model._zerodp_use_cache = True
+
+
 def remove(model: nn.Module) -> None:
-    """Undo `apply`: every checkpointed module runs its own forward again."""
+    """Undo `apply`: every checkpointed module runs its own forward again, and a Hugging Face
+    model's key/value cache is on again if `apply` turned it off."""
+    if vars(model).pop("_zerodp_use_cache", False):
+        model.config.use_cache = True
     for module in model.modules():
         if "forward" in vars(module) and hasattr(module, "_zerodp_checkpointed"):
             del module.forward

@@ -9,8 +9,8 @@ output leaves as [batch, seq/S, heads, head_dim], what HF's attention functions 
 
 [Note: a key/value cache under Ulysses]
 transformers' models fill a key/value cache in every forward where `use_cache` is on, which their
-configs default to, training included (Hugging Face's `gradient_checkpointing_enable()` turns it off;
-`zerodp.checkpointing.apply` leaves the model alone). A checkpointed block's recompute runs the
+configs default to, training included (Hugging Face's `gradient_checkpointing_enable()` and
+`zerodp.checkpointing.apply` turn it off; a block checkpointed otherwise keeps it). A checkpointed block's recompute runs the
 attention again with the same cache, which appends the layer's keys and values a second time: they
 arrive here with 2 x seq/S positions, the forward's and the recompute's (equal values). Unsplit,
 transformers' sdpa cuts a key longer than the query back to its first positions, which are right by
