@@ -252,17 +252,19 @@ def test_hugging_face_gradient_checkpointing_enable_works_under_zerodp(stage: in
     assert saved_b * 5 < saved_a  # measured: 292,740 -> 29,572 bytes
 
 
-def test_apply_turns_a_hugging_face_models_kv_cache_off_and_remove_turns_it_back_on() -> None:
+def test_a_checkpointed_hugging_face_layer_trains_without_the_key_value_cache() -> None:
     """The cache would keep every layer's keys and values from forward to backward, and a recompute
-    appends them again; transformers' gradient_checkpointing_enable() turns it off for training too."""
+    appends them again; as under transformers' own gradient checkpointing, the layers get none while
+    they are checkpointed, and generation without gradients keeps it. The config is left alone."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1)
     model = transformers.LlamaForCausalLM(config)
-    assert model.config.use_cache is True
-    checkpointing.apply(model)
-    assert model.config.use_cache is False
     ids = torch.randint(0, 64, (2, 8))
-    assert model(input_ids=ids).past_key_values is None
-    checkpointing.remove(model)
-    assert model.config.use_cache is True
+    assert model(input_ids=ids).past_key_values.get_seq_length() == 8  # on by default, in training too
+    checkpointing.apply(model)
+    out = model(input_ids=ids, labels=ids)
+    assert out.past_key_values.get_seq_length() == 0 and model.config.use_cache is True
+    out.loss.backward()
+    with torch.no_grad():
+        assert model(input_ids=ids).past_key_values.get_seq_length() == 8

@@ -226,14 +226,16 @@ def test_the_longest_sequence_search_finds_what_a_scan_finds(shape: str) -> None
 
 def test_a_simulated_peak_is_affine_in_the_sequence(llama) -> None:
     """What lets the search start from a line ([Note: the estimator's sequence parallelism]): on the tiny
-    Llama, with and without S and checkpointing, every doubling of the sequence adds twice the bytes."""
+    Llama, with and without S and checkpointing, every doubling of the sequence adds twice the bytes.
+    (Below ~1,000 tokens with blocks checkpointed the peak is another point of backward, a line of its own:
+    at S = 2, 325,192 / 578,120 / 1,098,184 bytes at 256 / 512 / 1,024 tokens.)"""
     from zerodp.plan.model_states import StrategySpec
     from zerodp.plan.simulate import simulate_strategy
     from zerodp.plan.workload import workload
 
     for sp, policy in [(1, "none"), (2, "blocks")]:
         peaks = [simulate_strategy(workload(llama), StrategySpec(3, "cpu"), 2, 1, n, policy,
-                                   sequence_parallel=sp).peak["device"].bytes for n in (256, 512, 1024)]
+                                   sequence_parallel=sp).peak["device"].bytes for n in (1024, 2048, 4096)]
         assert peaks[2] - peaks[1] == 2 * (peaks[1] - peaks[0]), (sp, policy, peaks)
 
 

@@ -58,11 +58,11 @@ def _config(sp: int | None, stage: int, accumulation: int = 1) -> dict:
     return config if sp is None else {**config, "sequence_parallel_size": sp}
 
 
-def _sharded_loss(engine, piece: dict, sp) -> torch.Tensor:
+def _sharded_loss(engine, piece: dict, sp, **kwargs) -> torch.Tensor:
     import zerodp.sequence as sequence
 
     out = engine(input_ids=piece["input_ids"], position_ids=piece["position_ids"], labels=piece["shift_labels"],
-                 shift_labels=piece["shift_labels"])
+                 shift_labels=piece["shift_labels"], **kwargs)
     return sequence.sequence_parallel_loss(out.loss, piece["shift_labels"], sp.sp_group)
 
 
@@ -76,9 +76,13 @@ def _finish(engine, model, losses: list, grads: dict) -> dict:
 
 
 def _train(sp_size: int, stage: int, kv_heads: int = KV_HEADS, seq: int = SEQ, save: str | None = None,
-           samples: bool = False, checkpointed: bool = False) -> dict:
+           samples: bool = False, checkpointed: bool = False, keep_cache: bool = False, packed: bool = False) -> dict:
     """Train STEPS steps on `_batch(step, data-parallel rank)`, each rank its sequence shard when sp_size > 1,
-    every block checkpointed when `checkpointed` (the model's key/value cache left on, its config's default);
+    every block checkpointed when `checkpointed`; with `keep_cache` the layers keep the model's key/value
+    cache under checkpointing (as a layer class that says `_can_checkpoint_with_cache` does; apply drops it
+    otherwise), so each recompute appends its keys to it again; with `packed` each row holds two documents
+    (positions 0-6 and 0-8, as packing collators write them), and the forward has no cache (transformers
+    looks for packed documents only then);
     the first step's reduced gradients (stage 0), the final parameters and the last step's ledger."""
     import zerodp
     import zerodp.sequence as sequence
@@ -86,17 +90,22 @@ def _train(sp_size: int, stage: int, kv_heads: int = KV_HEADS, seq: int = SEQ, s
     model = _llama(kv_heads)
     if checkpointed:
         zerodp.checkpointing.apply(model, "blocks")
+    for layer in model.model.layers if keep_cache else ():
+        layer._can_checkpoint_with_cache = True
     if sp_size > 1:
         sequence.register_attention(model, "sdpa", sequence.initialize_sequence_parallel(sp_size))
     engine, *_ = zerodp.initialize(model=model, config=_config(sp_size, stage))
     sp = sequence.current()
     losses, grads = [], {}
     for step in range(STEPS):
-        batch = _batch(step, sp.dp_rank, seq)
+        batch, extra = _batch(step, sp.dp_rank, seq), {"use_cache": False} if packed else {}
+        if packed:
+            batch["position_ids"] = torch.cat([torch.arange(7), torch.arange(seq - 7)]).expand(MICRO, seq)
         if sp.sp_size == 1:  # position ids per row, as the shards get them (rotary tables are then per row too)
-            loss = engine(**batch, position_ids=torch.arange(seq).expand(MICRO, seq)).loss
+            loss = engine(**{"position_ids": torch.arange(seq).expand(MICRO, seq), **batch}, **extra).loss
         else:
-            loss = _sharded_loss(engine, sequence.shard_batch(batch, sp.sp_rank, sp.sp_size, pad_token_id=PAD), sp)
+            piece = sequence.shard_batch(batch, sp.sp_rank, sp.sp_size, pad_token_id=PAD)
+            loss = _sharded_loss(engine, piece, sp, **extra)
         engine.backward(loss)
         if step == 0 and stage == 0:
             engine.strategy.finish_reduction()
@@ -136,8 +145,9 @@ def _deepspeed_api(rank: int) -> dict:
 
 def _two_ranks(rank: int, world: int, checkpoint: str) -> dict:
     return {"stage0": _train(2, 0), "stage3_gqa_padded": _train(2, 3, kv_heads=1, seq=SEQ - 1, save=checkpoint),
-            "deepspeed_api": _deepspeed_api(rank), "stage0_checkpointed": _train(2, 0, checkpointed=True),
-            "stage3_gqa_padded_checkpointed": _train(2, 3, kv_heads=1, seq=SEQ - 1, checkpointed=True)}
+            "deepspeed_api": _deepspeed_api(rank), "stage0_checkpointed": _train(2, 0, checkpointed=True, keep_cache=True),
+            "stage3_gqa_padded_checkpointed": _train(2, 3, kv_heads=1, seq=SEQ - 1, checkpointed=True),
+            "stage0_packed": _train(2, 0, packed=True)}
 
 
 def _one_rank(rank: int, world: int, checkpoint: str) -> dict:
@@ -150,6 +160,7 @@ def _one_rank(rank: int, world: int, checkpoint: str) -> dict:
     with zerodp.zero.GatheredParameters(list(model.parameters())):
         loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"stage0": _train(1, 0), "stage3_gqa_padded": _train(1, 3, kv_heads=1, seq=SEQ - 1),
+            "stage0_packed": _train(1, 0, packed=True),
             "accumulated": _accumulated(), "loaded": loaded}
 
 
@@ -186,16 +197,35 @@ def _close(got: dict, want: dict, rtol: float = RTOL, atol: float = ATOL) -> Non
 
 @pytest.mark.parametrize("run, unsplit", [("stage0", "stage0"), ("stage3_gqa_padded", "stage3_gqa_padded"),
                                           ("stage0_checkpointed", "stage0"),
-                                          ("stage3_gqa_padded_checkpointed", "stage3_gqa_padded")])
+                                          ("stage3_gqa_padded_checkpointed", "stage3_gqa_padded"),
+                                          ("stage0_packed", "stage0_packed")])
 def test_two_sequence_shards_train_as_one_rank_on_the_whole_sequence(runs: dict, run: str, unsplit: str) -> None:
-    """Checkpointed too, with the model's key/value cache on: the recompute appends the layer's keys to the
-    cache again ([Note: a key/value cache under Ulysses]); attending to them gave gradients up to 1.3e-2 off."""
+    """Checkpointed too, without the key/value cache (stage 3) and with it (stage 0): the recompute appends
+    the layer's keys to the cache again ([Note: a key/value cache under Ulysses]); attending to them gave
+    gradients up to 1.3e-2 off. Packed rows too: transformers attends within each document unsplit, and
+    the wrapped sdpa gets that mask ([Note: packed documents under Ulysses]); without it the losses differ."""
     reference = runs["whole"][unsplit]
     for result in runs["split"]:
         assert result[run]["losses"] == pytest.approx(reference["losses"], rel=RTOL)
         _close(result[run]["grads"], reference["grads"])
         _close(result[run]["params"], reference["params"])
     assert runs["split"][0]["stage0"]["grads"], "the stage-0 run compares gradients"
+
+
+def test_packing_changes_what_the_unsplit_model_computes(runs: dict) -> None:
+    """So the packed run above checks the documents' mask, not a mask that changes nothing."""
+    assert runs["whole"]["stage0_packed"]["losses"][0] != pytest.approx(runs["whole"]["stage0"]["losses"][0], rel=1e-3)
+
+
+def test_a_row_of_consecutive_positions_gets_no_mask_and_a_packed_row_its_documents() -> None:
+    from zerodp.sequence.attention import document_mask
+
+    assert document_mask(torch.arange(5, 13).expand(2, 8)) is None
+    mask = document_mask(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]))
+    assert mask.shape == (2, 1, 5, 5)
+    assert mask[0, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0],
+                                         [0, 0, 0, 1, 1]]
+    assert torch.equal(mask[1, 0], torch.ones(5, 5, dtype=torch.bool).tril())
 
 
 def test_deepspeed_s_recipe_trains_as_gradient_accumulation_over_the_group_s_batches(runs: dict) -> None:

@@ -220,28 +220,11 @@ def apply(model: nn.Module, policy: str = "blocks", k: int = 1, module_classes: 
     context_fn = _selective_context if selective else torch_checkpoint.noop_context_fn
     for _, block in blocks:
         _wrap(block, context_fn)
-    if blocks:
-        _without_kv_cache(model)
     return [name for name, _ in blocks]
 
 
-def _without_kv_cache(model: nn.Module) -> None:
-    """Turn off a Hugging Face model's key/value cache (`config.use_cache`, on by default), as
-    transformers' own gradient_checkpointing_enable() does for training: the cache keeps every
-    layer's keys and values alive from forward to backward, which checkpointing is there to free,
-    and a recompute appends them a second time (under Ulysses that doubled the k/v all-to-alls:
-    zerodp/sequence/attention.py's [Note: a key/value cache under Ulysses]). `remove` restores it."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", None) is True:
-        config.use_cache = False
-        model._zerodp_use_cache = True
-
-
 def remove(model: nn.Module) -> None:
-    """Undo `apply`: every checkpointed module runs its own forward again, and a Hugging Face
-    model's key/value cache is on again if `apply` turned it off."""
-    if vars(model).pop("_zerodp_use_cache", False):
-        model.config.use_cache = True
+    """Undo `apply`: every checkpointed module runs its own forward again."""
     for module in model.modules():
         if "forward" in vars(module) and hasattr(module, "_zerodp_checkpointed"):
             del module.forward
@@ -291,10 +274,28 @@ def _wrap(block: nn.Module, context_fn: Callable) -> None:
     def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved anyway
             return original(*args, **kwargs)
-        return checkpoint(original, *args, context_fn=context_fn, **kwargs)
+        return checkpoint(original, *args, context_fn=context_fn, **_without_cache(block, kwargs))
 
     block.forward = checkpointed_forward
     block._zerodp_checkpointed = True
+
+
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""What transformers' layers call their key/value cache, across releases."""
+
+
+def _without_cache(block: nn.Module, kwargs: dict) -> dict:
+    """A checkpointed Hugging Face layer runs without the model's key/value cache, as under transformers'
+    own gradient checkpointing (its GradientCheckpointingLayer): the cache would keep every layer's keys
+    and values from forward to backward, which checkpointing is there to free (Llama-7B, 2,048 tokens:
+    1.07 GB per sequence), and the recompute would append them a second time. Evaluation and generation
+    (no gradients) keep it, and the model's config is left alone."""
+    if not type(block).__module__.startswith("transformers") or getattr(block, "_can_checkpoint_with_cache", False):
+        return kwargs
+    kwargs = {key: None if key in _CACHE_KWARGS else value for key, value in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return kwargs
 
 
 _RECOMPUTE_IS_EXPENSIVE = {

@@ -9,9 +9,9 @@ output leaves as [batch, seq/S, heads, head_dim], what HF's attention functions 
 
 [Note: a key/value cache under Ulysses]
 transformers' models fill a key/value cache in every forward where `use_cache` is on, which their
-configs default to, training included (Hugging Face's `gradient_checkpointing_enable()` and
-`zerodp.checkpointing.apply` turn it off; a block checkpointed otherwise keeps it). A checkpointed block's recompute runs the
-attention again with the same cache, which appends the layer's keys and values a second time: they
+configs default to, training included (the layers that Hugging Face's `gradient_checkpointing_enable()`
+or `zerodp.checkpointing.apply` checkpoint get none; a block checkpointed otherwise keeps it). A checkpointed
+block's recompute runs the attention again with the same cache, which appends the layer's keys and values a second time: they
 arrive here with 2 x seq/S positions, the forward's and the recompute's (equal values). Unsplit,
 transformers' sdpa cuts a key longer than the query back to its first positions, which are right by
 accident. Through the all-to-all the S ranks' doubled shards interleave (rank 0's twice, then rank
@@ -90,19 +90,23 @@ class UlyssesAttention:
     """An HF attention function made sequence-parallel: all-to-all in, the core function on the whole
     sequence for heads/S heads, all-to-all out.
 
-    The attention mask is dropped: after the exchange the sequence is whole, and the core function's
-    causal flag (sdpa's `is_causal`, flash attention's causal kernel) masks it; a mask built by the model
-    for its shard has the shard's length (DeepSpeed drops it too). So a padding mask is not applied:
-    pad at the end of the sequence, where causal attention never lets a pad reach a real token."""
+    The model's attention mask is dropped: after the exchange the sequence is whole, and the core
+    function's causal flag (sdpa's `is_causal`, flash attention's causal kernel) masks it; a mask built by
+    the model for its shard has the shard's length (DeepSpeed drops it too). So a padding mask is not
+    applied: pad at the end of the sequence, where causal attention never lets a pad reach a real token.
+    Packed documents (position ids that restart inside a row) stay apart: flash attention finds them in
+    the whole sequence's position ids; for a core that needs a mask (`masks_documents`: sdpa) this builds
+    the one transformers builds unsplit, causal within each document ([Note: packed documents under Ulysses])."""
 
     def __init__(self, core: AttentionFunction, num_heads: int, num_kv_heads: int, topology: SequenceParallel,
-                 disable_in_eval: bool = False) -> None:
+                 disable_in_eval: bool = False, masks_documents: bool = False) -> None:
         self.core = core  # the function this one wraps (HF's sdpa, flash attention, ...)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.topology = topology
         self.kv_repeats = kv_replication(num_heads, num_kv_heads, topology.sp_size)
         self.disable_in_eval = disable_in_eval  # eval forwards run unsplit (their batches are not sharded)
-        self._positions: tuple[torch.Tensor, torch.Tensor] | None = None  # (this forward's shard, gathered)
+        self.masks_documents = masks_documents
+        self._positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # shard, whole, mask
 
     def __call__(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -115,10 +119,11 @@ class UlyssesAttention:
             key = key.repeat_interleave(self.kv_repeats, dim=1)
             value = value.repeat_interleave(self.kv_repeats, dim=1)
         query, key, value = (heads_to_ranks(t, size, group) for t in (query, key, value))
+        mask = None
         if kwargs.get("position_ids") is not None:
-            kwargs["position_ids"] = self._whole_positions(kwargs["position_ids"])
+            kwargs["position_ids"], mask = self._whole_positions(kwargs["position_ids"])
         with _kv_groups(module, query.shape[1] // key.shape[1]):
-            out, weights = self.core(module, query, key, value, None, *args, **kwargs)
+            out, weights = self.core(module, query, key, value, mask, *args, **kwargs)
         return sequence_to_ranks(out, size, group), weights
 
     def _check_heads(self, query: torch.Tensor, key: torch.Tensor) -> None:
@@ -127,15 +132,42 @@ class UlyssesAttention:
                              f"key/value heads, but got query {tuple(query.shape)} and key {tuple(key.shape)} "
                              "([batch, heads, seq, head_dim]); register it with this model's config")
 
-    def _whole_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """The position ids of the whole sequence (flash attention finds packed documents in them),
-        gathered once per forward: every layer gets the same tensor."""
+    def _whole_positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The position ids of the whole sequence (flash attention finds packed documents in them) and,
+        for a core that needs one, the mask of its packed documents (None: none packed), made once per
+        forward: every layer gets the same tensors."""
         if self._positions is not None and self._positions[0] is positions:
-            return self._positions[1]
+            return self._positions[1], self._positions[2]
         size = self.topology.sp_size
         shard = positions.contiguous()
         out = torch.empty((size, *shard.shape), dtype=shard.dtype, device=shard.device)
         comm.all_gather_into_tensor(out, shard, group=self.topology.sp_group)
         whole = out.movedim(0, -2).reshape(*shard.shape[:-1], size * shard.shape[-1])
-        self._positions = (positions, whole)
-        return whole
+        mask = document_mask(whole) if self.masks_documents else None
+        self._positions = (positions, whole, mask)
+        return whole, mask
+
+
+# [Note: packed documents under Ulysses]
+# Packing puts several documents in one row, each with positions from 0 (LLaMA-Factory's neat_packing,
+# TRL's padding_free, DeepSpeed's UlyssesSPDataLoaderAdapter keeps them). Unsplit, transformers finds them
+# in the position ids and attends within each document only: flash attention by cutting the row at every
+# restart (varlen), sdpa through a [seq, seq] mask it builds. Under Ulysses the model sees a shard, and
+# the mask is dropped, so a wrapped sdpa would attend across documents (DeepSpeed's does). The wrapper
+# builds transformers' mask from the whole sequence's positions instead: a row that is one run of
+# consecutive positions gets none (and sdpa's causal flag), so only a packed batch pays for the mask:
+# seq x seq booleans per row (what transformers allocates unsplit; use flash attention for long packed rows).
+# Finding out costs one look at the gathered positions per forward (a device sync).
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor | None:
+    """[rows, 1, seq, seq] booleans, True where a token may attend (an earlier or the same token of its
+    own document), for position ids [rows, seq] in which a position that does not follow its predecessor
+    starts a document; None when none does ([Note: packed documents under Ulysses])."""
+    starts = positions.diff(dim=-1) != 1
+    if not bool(starts.any()):
+        return None
+    documents = torch.nn.functional.pad(starts.long().cumsum(-1), (1, 0))
+    length = positions.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
+    return ((documents[..., :, None] == documents[..., None, :]) & causal).unsqueeze(-3)

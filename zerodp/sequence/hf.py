@@ -60,7 +60,8 @@ def register_attention(model_or_name: Any, core_attn_implementation: str, topolo
     config = model_config(model_or_name)
     num_heads = int(config.num_attention_heads)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
-    attention = UlyssesAttention(core, num_heads, num_kv_heads, topology, disable_in_eval)
+    attention = UlyssesAttention(core, num_heads, num_kv_heads, topology, disable_in_eval,
+                                 masks_documents="sdpa" in core_attn_implementation)
     ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = attention
     return attention
 
