@@ -252,19 +252,31 @@ def test_hugging_face_gradient_checkpointing_enable_works_under_zerodp(stage: in
     assert saved_b * 5 < saved_a  # measured: 292,740 -> 29,572 bytes
 
 
-def test_a_checkpointed_hugging_face_layer_trains_without_the_key_value_cache() -> None:
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_checkpointed_hugging_face_model_trains_without_the_key_value_cache(family: str) -> None:
     """The cache would keep every layer's keys and values from forward to backward, and a recompute
-    appends them again; as under transformers' own gradient checkpointing, the layers get none while
-    they are checkpointed, and generation without gradients keeps it. The config is left alone."""
+    appends them again ([Note: no key/value cache under checkpointing]): forwards with gradients run
+    without it unless the caller asks; generation without gradients keeps it; the config is left alone;
+    `remove` takes the hook away. GPT-2 passes its cache to the blocks by position."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1)
-    model = transformers.LlamaForCausalLM(config)
+    if family == "llama":
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2))
     ids = torch.randint(0, 64, (2, 8))
-    assert model(input_ids=ids).past_key_values.get_seq_length() == 8  # on by default, in training too
+
+    def cached() -> int:
+        cache = model(input_ids=ids).past_key_values
+        return 0 if cache is None else cache.get_seq_length()
+
+    assert cached() == 8  # on by default, in training too
     checkpointing.apply(model)
-    out = model(input_ids=ids, labels=ids)
-    assert out.past_key_values.get_seq_length() == 0 and model.config.use_cache is True
-    out.loss.backward()
+    assert cached() == 0 and model.config.use_cache is True
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model(input_ids=ids, use_cache=True).past_key_values.get_seq_length() == 8  # asked for
     with torch.no_grad():
-        assert model(input_ids=ids).past_key_values.get_seq_length() == 8
+        assert cached() == 8
+    checkpointing.remove(model)
+    assert cached() == 8

@@ -78,11 +78,10 @@ def _finish(engine, model, losses: list, grads: dict) -> dict:
 def _train(sp_size: int, stage: int, kv_heads: int = KV_HEADS, seq: int = SEQ, save: str | None = None,
            samples: bool = False, checkpointed: bool = False, keep_cache: bool = False, packed: bool = False) -> dict:
     """Train STEPS steps on `_batch(step, data-parallel rank)`, each rank its sequence shard when sp_size > 1,
-    every block checkpointed when `checkpointed`; with `keep_cache` the layers keep the model's key/value
-    cache under checkpointing (as a layer class that says `_can_checkpoint_with_cache` does; apply drops it
-    otherwise), so each recompute appends its keys to it again; with `packed` each row holds two documents
-    (positions 0-6 and 0-8, as packing collators write them), and the forward has no cache (transformers
-    looks for packed documents only then);
+    every block checkpointed when `checkpointed`; with `keep_cache` the forward asks for the model's
+    key/value cache (apply turns it off otherwise), so each recompute appends its keys to it again; with
+    `packed` each row holds two documents (positions 0-6 and 0-8, as packing collators write them), and the
+    forward has no cache (transformers looks for packed documents only then);
     the first step's reduced gradients (stage 0), the final parameters and the last step's ledger."""
     import zerodp
     import zerodp.sequence as sequence
@@ -90,8 +89,6 @@ def _train(sp_size: int, stage: int, kv_heads: int = KV_HEADS, seq: int = SEQ, s
     model = _llama(kv_heads)
     if checkpointed:
         zerodp.checkpointing.apply(model, "blocks")
-    for layer in model.model.layers if keep_cache else ():
-        layer._can_checkpoint_with_cache = True
     if sp_size > 1:
         sequence.register_attention(model, "sdpa", sequence.initialize_sequence_parallel(sp_size))
     engine, *_ = zerodp.initialize(model=model, config=_config(sp_size, stage))
@@ -99,6 +96,7 @@ def _train(sp_size: int, stage: int, kv_heads: int = KV_HEADS, seq: int = SEQ, s
     losses, grads = [], {}
     for step in range(STEPS):
         batch, extra = _batch(step, sp.dp_rank, seq), {"use_cache": False} if packed else {}
+        extra = {"use_cache": True} if keep_cache else extra
         if packed:
             batch["position_ids"] = torch.cat([torch.arange(7), torch.arange(seq - 7)]).expand(MICRO, seq)
         if sp.sp_size == 1:  # position ids per row, as the shards get them (rotary tables are then per row too)
@@ -145,7 +143,8 @@ def _deepspeed_api(rank: int) -> dict:
 
 def _two_ranks(rank: int, world: int, checkpoint: str) -> dict:
     return {"stage0": _train(2, 0), "stage3_gqa_padded": _train(2, 3, kv_heads=1, seq=SEQ - 1, save=checkpoint),
-            "deepspeed_api": _deepspeed_api(rank), "stage0_checkpointed": _train(2, 0, checkpointed=True, keep_cache=True),
+            "deepspeed_api": _deepspeed_api(rank),
+            "stage0_checkpointed": _train(2, 0, checkpointed=True, keep_cache=True),
             "stage3_gqa_padded_checkpointed": _train(2, 3, kv_heads=1, seq=SEQ - 1, checkpointed=True),
             "stage0_packed": _train(2, 0, packed=True)}
 
@@ -450,3 +449,38 @@ def test_a_tiled_mlp_trains_as_the_whole_mlp_with_one_gradient_per_parameter(sta
     for got, want in zip(tiled, whole):
         assert got["losses"] == pytest.approx(want["losses"], rel=RTOL)
         _close(got["params"], want["params"])
+
+
+def _sdpa_attention(sp_size: int = 2):
+    from zerodp.sequence.attention import UlyssesAttention
+    from zerodp.zero.topology import SequenceParallel
+
+    return UlyssesAttention(lambda *args, **kwargs: None, HEADS, KV_HEADS, SequenceParallel(sp_size, 0, None, 1, 0, None),
+                            masks_documents=True)
+
+
+def test_sdpa_under_ulysses_refuses_a_sequence_longer_than_its_sliding_window() -> None:
+    """The model's sliding-window mask is dropped with the rest, and sdpa would attend to the whole sequence."""
+    attention = _sdpa_attention()
+    attention._check_window(None, 64)
+    attention._check_window(64, 64)
+    with pytest.raises(ValueError, match=r"sliding_window=32\) on 64 tokens.*flash attention"):
+        attention._check_window(32, 64)
+
+
+def test_the_documents_mask_lives_as_long_as_the_shard_s_position_ids(monkeypatch) -> None:
+    """Every layer (and a checkpointed block's recompute) gets the same mask; once the position ids are
+    gone, so is the mask (seq x seq booleans per row)."""
+    import gc
+
+    from zerodp import comm
+
+    monkeypatch.setattr(comm, "all_gather_into_tensor", lambda out, shard, group=None: out.copy_(shard.expand_as(out)))
+    attention = _sdpa_attention()
+    positions = torch.tensor([[0, 1, 0, 1]])
+    whole, mask = attention._whole_positions(positions)
+    assert whole.tolist() == [[0, 1, 0, 1, 0, 1, 0, 1]] and mask.shape == (1, 1, 8, 8)
+    assert attention._whole_positions(positions)[1] is mask
+    del positions, whole, mask
+    gc.collect()
+    assert attention._positions is None

@@ -107,24 +107,30 @@ def settle(refs: list[weakref.ref]) -> None:
     """In settled mode, wait (the GIL released) until the backend has dropped these aliases of a
     finished collective; elsewhere return at once."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    while _settling and any(ref() is not None for ref in refs) and time.monotonic() < deadline:
+    while _settling and any(ref() is not None for ref in refs):
+        if time.monotonic() > deadline:
+            logger.warning("a finished collective's tensors were still held after %.0f s: the measured "
+                           "memory counts them until they are let go", SETTLE_TIMEOUT_S)
+            return
         time.sleep(0.0002)
 
 
 @contextmanager
 def settled_collectives() -> Iterator[None]:
     """Inside, a collective returns (or its `Pending.wait()` does) only once the backend's thread has
-    let go of the tensors it was given, so each is freed exactly when Python drops it, as the
-    estimator's simulation assumes. Without it, on a busy machine gloo's thread drops a finished
-    collective's tensors a little later, and a measured peak came out up to 129,056 bytes above the
-    same run's exact figure (tests/test_estimate_sp.py, Ulysses at S = 2). For measurements only
-    (zerodp/plan/measure.py): it costs each collective a wait for that thread."""
+    let go of the tensors it was given (microseconds after the collective ends), so each is freed
+    exactly when Python drops it, as the estimator's simulation assumes. Without it, on a busy machine
+    gloo's thread drops a finished collective's tensors a little later, and a measured peak came out up
+    to 129,056 bytes above the same run's exact figure (tests/test_estimate_sp.py, Ulysses at S = 2).
+    For measurements only (zerodp/plan/measure.py): it costs each collective a wait for that thread."""
     global _settling
     before, _settling = _settling, True
+    take_handed()  # what a collective that raised before left behind (the same at the end)
     try:
         yield
     finally:
         _settling = before
+        take_handed()
 
 
 def pending_collectives() -> int:

@@ -21,6 +21,7 @@ gloo's thread has let go of its tensors, so the figures do not depend on that th
 from __future__ import annotations
 
 import gc
+from contextlib import ExitStack
 from typing import Any
 
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -39,11 +40,13 @@ class AllocatorTrace:
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._events: list[tuple[int, int]] = []  # (start ns, +bytes allocated / -bytes freed)
         self._marks: dict[str, int] = {}
-        self._settled = comm.settled_collectives()
+        self._stack = ExitStack()
 
     def __enter__(self) -> "AllocatorTrace":
-        self._settled.__enter__()
-        self._profile.__enter__()
+        with ExitStack() as stack:  # unwinds what entered when the profiler cannot start
+            stack.enter_context(comm.settled_collectives())
+            stack.enter_context(self._profile)
+            self._stack = stack.pop_all()
         return self
 
     def mark(self, name: str) -> None:
@@ -54,8 +57,7 @@ class AllocatorTrace:
             pass
 
     def __exit__(self, *exc: Any) -> None:
-        self._profile.__exit__(*exc)
-        self._settled.__exit__(*exc)
+        self._stack.__exit__(*exc)
         for event in self._profile.profiler.kineto_results.events():
             if event.name() == "[memory]":
                 self._events.append((event.start_ns(), event.nbytes()))

@@ -9,10 +9,10 @@ output leaves as [batch, seq/S, heads, head_dim], what HF's attention functions 
 
 [Note: a key/value cache under Ulysses]
 transformers' models fill a key/value cache in every forward where `use_cache` is on, which their
-configs default to, training included (the layers that Hugging Face's `gradient_checkpointing_enable()`
-or `zerodp.checkpointing.apply` checkpoint get none; a block checkpointed otherwise keeps it). A checkpointed
-block's recompute runs the attention again with the same cache, which appends the layer's keys and values a second time: they
-arrive here with 2 x seq/S positions, the forward's and the recompute's (equal values). Unsplit,
+configs default to, training included (Hugging Face's `gradient_checkpointing_enable()` and
+`zerodp.checkpointing.apply` turn it off in training unless the caller asks for it; a block checkpointed
+otherwise keeps it). A checkpointed block's recompute runs the attention again with the same cache,
+which appends the layer's keys and values a second time: they arrive here with 2 x seq/S positions, the forward's and the recompute's (equal values). Unsplit,
 transformers' sdpa cuts a key longer than the query back to its first positions, which are right by
 accident. Through the all-to-all the S ranks' doubled shards interleave (rank 0's twice, then rank
 1's twice, ...), so that cut attended to rank 0's tokens twice: wrong gradients (up to 1.3e-2 off on a tiny
@@ -26,6 +26,7 @@ cache appends at the end); anywhere else a key longer than the query is a cache 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -106,7 +107,7 @@ class UlyssesAttention:
         self.kv_repeats = kv_replication(num_heads, num_kv_heads, topology.sp_size)
         self.disable_in_eval = disable_in_eval  # eval forwards run unsplit (their batches are not sharded)
         self.masks_documents = masks_documents
-        self._positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # shard, whole, mask
+        self._positions: tuple[weakref.ref, torch.Tensor, torch.Tensor | None] | None = None  # shard, whole, mask
 
     def __call__(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -119,6 +120,7 @@ class UlyssesAttention:
             key = key.repeat_interleave(self.kv_repeats, dim=1)
             value = value.repeat_interleave(self.kv_repeats, dim=1)
         query, key, value = (heads_to_ranks(t, size, group) for t in (query, key, value))
+        self._check_window(kwargs.get("sliding_window"), query.shape[2])
         mask = None
         if kwargs.get("position_ids") is not None:
             kwargs["position_ids"], mask = self._whole_positions(kwargs["position_ids"])
@@ -132,11 +134,21 @@ class UlyssesAttention:
                              f"key/value heads, but got query {tuple(query.shape)} and key {tuple(key.shape)} "
                              "([batch, heads, seq, head_dim]); register it with this model's config")
 
+    def _check_window(self, window: int | None, length: int) -> None:
+        """A core that needs a mask gets none for a sliding window (the model's, built for its shard,
+        is dropped), so a sequence longer than the window is refused rather than attended whole."""
+        if self.masks_documents and window is not None and length > window:
+            raise ValueError(f"sliding-window attention (sliding_window={window}) on {length} tokens: Ulysses "
+                             "drops the model's mask, and sdpa would attend to the whole causal sequence; load the "
+                             "model with a flash attention (it takes the window itself) or train sequences of at "
+                             f"most {window} tokens")
+
     def _whole_positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The position ids of the whole sequence (flash attention finds packed documents in them) and,
         for a core that needs one, the mask of its packed documents (None: none packed), made once per
-        forward: every layer gets the same tensors."""
-        if self._positions is not None and self._positions[0] is positions:
+        forward: every layer gets the same tensors, kept as long as the shard's position ids live (the
+        recompute of a checkpointed block finds them), not after."""
+        if self._positions is not None and self._positions[0]() is positions:
             return self._positions[1], self._positions[2]
         size = self.topology.sp_size
         shard = positions.contiguous()
@@ -144,8 +156,13 @@ class UlyssesAttention:
         comm.all_gather_into_tensor(out, shard, group=self.topology.sp_group)
         whole = out.movedim(0, -2).reshape(*shard.shape[:-1], size * shard.shape[-1])
         mask = document_mask(whole) if self.masks_documents else None
-        self._positions = (positions, whole, mask)
+        self._positions = (weakref.ref(positions), whole, mask)
+        weakref.finalize(positions, self._forget, self._positions)
         return whole, mask
+
+    def _forget(self, entry: tuple) -> None:
+        if self._positions is entry:
+            self._positions = None
 
 
 # [Note: packed documents under Ulysses]
@@ -156,7 +173,8 @@ class UlyssesAttention:
 # the mask is dropped, so a wrapped sdpa would attend across documents (DeepSpeed's does). The wrapper
 # builds transformers' mask from the whole sequence's positions instead: a row that is one run of
 # consecutive positions gets none (and sdpa's causal flag), so only a packed batch pays for the mask:
-# seq x seq booleans per row (what transformers allocates unsplit; use flash attention for long packed rows).
+# seq x seq booleans per row (what transformers allocates unsplit; flash attention suits long packed
+# rows). transformers looks for packed documents only in a forward without a key/value cache.
 # Finding out costs one look at the gathered positions per forward (a device sync).
 
 

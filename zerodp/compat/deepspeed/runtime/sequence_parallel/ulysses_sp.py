@@ -33,7 +33,8 @@ class UlyssesSPAttentionHF(UlyssesAttention):
                  num_hidden_layers: int, process_group: Any, seq_length_is_variable: bool = False,
                  local_seq_length: int | None = None, global_seq_length: int | None = None,
                  disable_in_eval: bool = False) -> None:
-        super().__init__(attn, attn_head_count, kv_head_count, _topology(process_group), disable_in_eval)
+        super().__init__(attn, attn_head_count, kv_head_count, _topology(process_group), disable_in_eval,
+                         masks_documents=getattr(attn, "__name__", "") == "sdpa_attention_forward")
 
     def forward(self, module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any,
                 **kwargs: Any) -> Any:
