@@ -81,3 +81,36 @@ def quantize_from_flags(args: argparse.Namespace, module: Any, problems: list[st
         problems.append(str(err))
         return None
     return qlora
+
+
+def add_zeropp_flags(parser: argparse.ArgumentParser, hpz: bool) -> None:
+    """The ZeRO++ flags of `zerodp estimate` (and of `zerodp plan`, without hpZ: its step-time model does not
+    price bytes by link, and hpZ's point is which link they take)."""
+    for what, text in (("weights", "qwZ at stage 3: the forward and backward all-gathers send int8 blocks of 256 "
+                                   "with one fp32 scale each"),
+                       ("gradients", "qgZ at stage 3: the gradient reduce-scatter becomes an all-to-all of int8 "
+                                     "blocks and scales")):
+        parser.add_argument(f"--zero-quantized-{what}", action="store_true", help=f"ZeRO++ {text} (zero_quantized_{what})")
+    if hpz:
+        parser.add_argument("--zero-hpz-partition-size", default="1", metavar="S",
+                            help="ZeRO++ hpZ at stage 3: a secondary copy of the parameters over S ranks (the ranks per "
+                                 "node; zero_hpz_partition_size; default 1: none); bytes by link count nodes of S ranks")
+
+
+def zeropp_from_flags(args: argparse.Namespace, world: int | None, sp: int, problems: list[str]) -> Any:
+    """The ZeroPlusPlus of the flags (zerodp/plan/zeropp.py), checked as the runtime checks the keys."""
+    from zerodp.plan.zeropp import ZeroPlusPlus
+    from zerodp.sizes import parse_count
+
+    text = getattr(args, "zero_hpz_partition_size", "1")
+    size = parse_count(text)
+    if size is None:
+        problems.append(f"--zero-hpz-partition-size {text}: expected a positive number of ranks")
+        size = 1
+    zeropp = ZeroPlusPlus(args.zero_quantized_weights, args.zero_quantized_gradients, size)
+    problems.extend(zeropp.problems(world))
+    if zeropp and sp > 1:
+        flags = "--zero-quantized-weights/--zero-quantized-gradients" + ("/--zero-hpz-partition-size" if size > 1 else "")
+        problems.append(f"{flags} with --sequence-parallel {sp}: the runtime does not build ZeRO++ with sequence "
+                        "parallelism; drop one")
+    return zeropp

@@ -8,7 +8,7 @@ import math
 import sys
 from typing import Any
 
-from zerodp.cli.common import EXIT_OK, EXIT_USAGE
+from zerodp.cli.common import EXIT_OK, EXIT_USAGE, add_zeropp_flags, zeropp_from_flags
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,15 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     estimate.add_argument("--sequence-parallel", default="1", metavar="S",
                           help="Ulysses sequence parallelism: each sequence split over S of the --world-size ranks "
                                "(sequence_parallel_size; a Hugging Face model whose heads S splits; default 1)")
-    for what, text in (("weights", "qwZ at stage 3: the forward and backward all-gathers send int8 blocks of 256 "
-                                   "with one fp32 scale each"),
-                       ("gradients", "qgZ at stage 3: the gradient reduce-scatter becomes an all-to-all of int8 "
-                                     "blocks and scales")):
-        estimate.add_argument(f"--zero-quantized-{what}", action="store_true",
-                              help=f"ZeRO++ {text} (zero_quantized_{what})")
-    estimate.add_argument("--zero-hpz-partition-size", default="1", metavar="S",
-                          help="ZeRO++ hpZ at stage 3: a secondary copy of the parameters over S ranks (the ranks per "
-                               "node; zero_hpz_partition_size; default 1: none); bytes by link count nodes of S ranks")
+    add_zeropp_flags(estimate, hpz=True)
     estimate.add_argument("--json", action="store_true", help="print one JSON object per strategy and checkpointing policy")
     estimate.set_defaults(func=cmd_estimate)
 
@@ -69,7 +61,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     policies = _policies(args, problems)
     seq_len = _seq_len(args, work, module, problems)
     sp = _sequence_parallel(args, world, module, seq_len, problems)
-    zeropp = _zeropp(args, world, sp, problems)
+    zeropp = zeropp_from_flags(args, world, sp, problems)
     if problems:
         print("zerodp estimate: " + "; ".join(problems), file=sys.stderr)
         return EXIT_USAGE
@@ -187,24 +179,6 @@ def _sequence_parallel(args: argparse.Namespace, world: int | None, module: Any,
         problems.append(f"--seq-len {seq_len} does not divide by --sequence-parallel {sp}: each rank holds an equal "
                         f"shard (the runtime pads to a multiple or refuses); use {seq_len + -seq_len % sp}")
     return sp
-
-
-def _zeropp(args: argparse.Namespace, world: int | None, sp: int, problems: list[str]) -> Any:
-    """--zero-quantized-weights/-gradients and --zero-hpz-partition-size (zerodp/plan/zeropp.py), checked as the
-    runtime checks the keys."""
-    from zerodp.plan.zeropp import ZeroPlusPlus
-    from zerodp.sizes import parse_count
-
-    size = parse_count(args.zero_hpz_partition_size)
-    if size is None:
-        problems.append(f"--zero-hpz-partition-size {args.zero_hpz_partition_size}: expected a positive number of ranks")
-        size = 1
-    zeropp = ZeroPlusPlus(args.zero_quantized_weights, args.zero_quantized_gradients, size)
-    problems.extend(zeropp.problems(world))
-    if zeropp and sp > 1:
-        problems.append(f"--zero-quantized-weights/--zero-quantized-gradients/--zero-hpz-partition-size with "
-                        f"--sequence-parallel {sp}: the runtime does not build ZeRO++ with sequence parallelism; drop one")
-    return zeropp
 
 
 def _estimate(args: argparse.Namespace, numel: int, world: int, largest: int, module: Any, work: Any,

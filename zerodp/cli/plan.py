@@ -11,7 +11,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from zerodp.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from zerodp.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_zeropp_flags, zeropp_from_flags
 
 # flag -> (Cluster field, kind, help); kind "size": 80GB, "rate": 300GB (bytes/s), "float", "int"
 CLUSTER_FLAGS = {
@@ -64,6 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="split each sequence over S ranks (Ulysses, sequence_parallel_size; a Hugging Face model). "
                            "Default 1, and when nothing fits although the model states do, the plan tries 2, 4, 8, ... "
                            "and proposes the smallest that fits")
+    add_zeropp_flags(plan, hpz=False)  # the stage-3 candidates run with them
     plan.add_argument("--exhaustive", action="store_true", help="simulate dominated candidates too (slower)")
     plan.add_argument("--top", type=int, default=10, help="candidates shown (default 10)")
     plan.add_argument("--output", default=None, metavar="PATH", help="write the best candidate as a DeepSpeed JSON config")
@@ -117,13 +118,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sp = parse_count(args.sequence_parallel)
     if sp is None:
         problems.append(f"--sequence-parallel {args.sequence_parallel!r}: expected a whole number of ranks >= 1")
+    zeropp = zeropp_from_flags(args, None if cluster is None else cluster.world_size, sp or 1, problems)
     if problems:
         print("zerodp plan: " + "; ".join(problems), file=sys.stderr)
         return EXIT_USAGE
     say = lambda line: print(f"zerodp plan: {line}", file=sys.stderr, flush=True)  # noqa: E731
     try:
         result = plan(work, cluster, seq_len, global_batch, args.dtype, policies, args.exhaustive, say,
-                      sequence_parallel=sp)
+                      sequence_parallel=sp, zeropp=zeropp)
     except ValueError as err:
         print(f"zerodp plan: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -28,6 +28,7 @@ from zerodp.plan.cluster import Cluster, StepTime, Work, step_time
 from zerodp.plan.engines import EngineFactory
 from zerodp.plan.model_states import DTYPES, StrategySpec, buffer_bytes, flat_states, module_flats, strategy_config
 from zerodp.plan.workload import Workload
+from zerodp.plan.zeropp import ZeroPlusPlus
 from zerodp.sizes import decimal_size
 
 DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size, elements
@@ -60,10 +61,11 @@ class Candidate:
     comm_bytes: int
     zero: dict = field(default_factory=dict)
     sequence_parallel: int = 1  # ranks per sequence (Ulysses; zerodp/plan/sequence.py)
+    zeropp: str = ""  # the ZeRO++ features it runs ("qwZ + qgZ"; zerodp/plan/zeropp.py), "" when none
 
     def describe(self) -> str:
         ckpt = "" if self.activation_checkpointing == "none" else f", {self.activation_checkpointing} checkpointed"
-        return f"{self.strategy.describe()}{ckpt}"
+        return f"{self.strategy.describe()}{f', {self.zeropp}' if self.zeropp else ''}{ckpt}"
 
     def ds_config(self, global_batch: int, nvme_path: str = "/local_nvme") -> dict:
         """The DeepSpeed JSON config (a dict) of this candidate, for `global_batch` samples per step."""
@@ -175,7 +177,7 @@ def _dominators(s: StrategySpec, policy: str) -> list[tuple[StrategySpec, str]]:
 def plan(work: Workload, cluster: Cluster, seq_len: int, global_batch: int, dtype: str = "bf16",
          policies: tuple[str, ...] = ("none", "blocks"), exhaustive: bool = False,
          progress: Callable[[str], None] | None = None, initialize: EngineFactory | None = None,
-         sequence_parallel: int = 1) -> Plan:
+         sequence_parallel: int = 1, zeropp: ZeroPlusPlus = ZeroPlusPlus()) -> Plan:
     """Search the configs that fit `cluster` for `work` at `seq_len` tokens and `global_batch`
     samples per optimizer step (a multiple of the world size; ValueError otherwise), ranked by
     predicted step time. `exhaustive`: simulate dominated candidates too (the planner bench measures
@@ -183,7 +185,9 @@ def plan(work: Workload, cluster: Cluster, seq_len: int, global_batch: int, dtyp
     engines (default: zerodp.initialize; zerodp/plan/engines.py). `sequence_parallel` S: every
     candidate splits each sequence over S ranks (Ulysses); at 1, when nothing fits but some strategy's
     model states do, the sequence is what does not fit, and the plan tries S = 2, 4, 8, ... (sizes the
-    ranks and the model's heads take) and returns the smallest that fits (`sequence_note` says why)."""
+    ranks and the model's heads take) and returns the smallest that fits (`sequence_note` says why).
+    `zeropp`: the ZeRO++ keys the stage-3 candidates run with (their collectives' bytes are the
+    runtime's quantized ones, zerodp/plan/zeropp.py); not with sequence parallelism (the runtime refuses it)."""
     world = cluster.world_size
     if global_batch % world:
         raise ValueError(f"--global-batch {global_batch}: not a multiple of the {world} ranks "
@@ -193,8 +197,11 @@ def plan(work: Workload, cluster: Cluster, seq_len: int, global_batch: int, dtyp
         raise ValueError(f"MODEL {work.spec!r}: its input is unknown (not a causal LM, no estimate_inputs), so its "
                          "activations cannot be simulated")
     _check_sequence_parallel(sequence_parallel, cluster, module, work.spec, seq_len)
+    if zeropp and sequence_parallel > 1:
+        raise ValueError(f"ZeRO++ ({zeropp.describe()}) with sequence parallel {sequence_parallel}: the runtime does not "
+                         "build ZeRO++ with sequence parallelism")
     search = _Search(work, module, cluster, seq_len, global_batch * sequence_parallel // world, dtype,
-                     progress or (lambda line: None), initialize, sequence_parallel)
+                     progress or (lambda line: None), initialize, sequence_parallel, zeropp)
     reached: set[tuple[StrategySpec, str]] = set()
     left_out: list[dict] = []
     found: list[Candidate] = []
@@ -220,7 +227,7 @@ def plan(work: Workload, cluster: Cluster, seq_len: int, global_batch: int, dtyp
                 reached.add((s, policy))
     found.sort(key=lambda c: c.time.total)
     result = Plan(cluster, seq_len, global_batch, found, left_out, search.simulations, sequence_parallel)
-    if not found and sequence_parallel == 1 and search.too_long:
+    if not found and sequence_parallel == 1 and search.too_long and not zeropp:
         return _split_the_sequence(result, work, module, search.too_long, policies, dtype, exhaustive, progress,
                                    initialize)
     return result
@@ -289,6 +296,7 @@ class _Search:
     say: Callable[[str], None]
     initialize: EngineFactory | None = None  # builds the simulated engines
     sp: int = 1  # ranks per sequence (Ulysses)
+    zeropp: ZeroPlusPlus = ZeroPlusPlus()  # the stage-3 candidates' ZeRO++ keys
     simulations: int = 0
     too_long: list = field(default_factory=list)  # (strategy, policy, model states, peak): states fit, micro-batch 1 not
     _sims: dict = field(default_factory=dict)
@@ -350,7 +358,7 @@ class _Search:
         if key not in self._sims:
             self.simulations += 1
             self.say(f"simulating {s.describe()}, checkpointing {policy}, micro-batch {micro_batch}")
-            zero = bucket_sizes(self.numel)
+            zero = self._zero(s)
             device = "cpu" if self.cluster.device == "cpu" else "meta"
             try:
                 self._sims[key] = simulate_strategy(self.work, s, self.cluster.world_size, micro_batch, self.seq_len,
@@ -391,7 +399,12 @@ class _Search:
         nvme = "nvme" in (s.offload_optimizer, s.offload_param)
         return Candidate(s, policy, micro_batch, accumulation, sim.peak[DEVICE].bytes,
                          None if nvme else sim.peak[CPU].bytes, step_time(work, self.cluster),
-                         int(sum(comm_bytes.values())), bucket_sizes(self.numel), self.sp)
+                         int(sum(comm_bytes.values())), self._zero(s), self.sp,
+                         self.zeropp.describe() if self.zeropp.zero_keys(s) else "")
+
+    def _zero(self, s: StrategySpec) -> dict:
+        """The zero_optimization keys `s` is simulated and written with: bucket sizes, ZeRO++'s at stage 3."""
+        return {**bucket_sizes(self.numel), **self.zeropp.zero_keys(s)}
 
 
 def count_flops(work: Workload, micro_batch: int, seq_len: int, policy: str = "none") -> float:
@@ -401,12 +414,13 @@ def count_flops(work: Workload, micro_batch: int, seq_len: int, policy: str = "n
     from torch.utils.flop_counter import FlopCounterMode
 
     from zerodp import checkpointing
+    from zerodp.plan.simulate import unpacked_rows
 
     model = work.meta()
     if policy != "none":
         checkpointing.apply(model, "blocks", selective=policy == "selective")
     args, kwargs = work.inputs(model, micro_batch, seq_len, torch.device("meta"))
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, unpacked_rows():
         out = model(*args, **kwargs)
         (out if isinstance(out, torch.Tensor) else out.loss).backward()
     return float(counter.get_total_flops())

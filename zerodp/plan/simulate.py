@@ -36,7 +36,7 @@ holds it), as it must in a real run. What a fake run does not reproduce:
   cache is passed, and treats a fake tensor as traced, so it would build an s x s mask that the real
   batch does not get. The estimator's rows are one sequence each (positions 0..s-1, or a contiguous
   shard of them under Ulysses), so on fake tensors the check answers "not packed", as it does for
-  the real batch (`_unpacked_rows`).
+  the real batch (`unpacked_rows`; the FLOP count on meta uses it too).
 Storage resizes (stage 3 frees a gathered unit with `UntypedStorage.resize_(0)`) do not pass
 through dispatch, so `UntypedStorage.resize_` is wrapped while the world exists.
 torch's private `torch.testing._internal.distributed.fake_pg` and the fused-optimizer device list
@@ -164,7 +164,7 @@ def simulated_world(world_size: int, rank: int = 0, device: str = "meta") -> Ite
     recorder = LiveBytes(device)
     try:
         with _fused_kernels_on(device), FakeTensorMode(allow_non_fake_inputs=True), counting_resizes(recorder), \
-                recorder, _gpu_attention(), _unpacked_rows():
+                recorder, _gpu_attention(), unpacked_rows():
             yield recorder
     finally:
         dist.destroy_process_group()
@@ -220,9 +220,10 @@ def _gpu_attention() -> Iterator[None]:
 
 
 @contextmanager
-def _unpacked_rows() -> Iterator[None]:
-    """transformers' packed-document check answers "not packed" for fake position ids while inside (see
-    [Note: simulating a rank]); a no-op where transformers is not imported or has no such check."""
+def unpacked_rows() -> Iterator[None]:
+    """transformers' packed-document check answers "not packed" for position ids without values (fake
+    or meta) while inside (see [Note: simulating a rank]); a no-op where transformers is not imported or
+    has no such check."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     masking = None
@@ -237,7 +238,8 @@ def _unpacked_rows() -> Iterator[None]:
         return
 
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
-        return None if isinstance(position_ids, FakeTensor) else original(position_ids)
+        valueless = isinstance(position_ids, FakeTensor) or position_ids.device.type == "meta"
+        return None if valueless else original(position_ids)
 
     masking.find_packed_sequence_indices = find_packed_sequence_indices
     try:
