@@ -106,8 +106,10 @@ def take_handed() -> list[weakref.ref]:
 def settle(refs: list[weakref.ref]) -> None:
     """In settled mode, wait (the GIL released) until the backend has dropped these aliases of a
     finished collective; elsewhere return at once."""
+    if not _settling:
+        return
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    while _settling and any(ref() is not None for ref in refs):
+    while any(ref() is not None for ref in refs):
         if time.monotonic() > deadline:
             logger.warning("a finished collective's tensors were still held after %.0f s: the measured "
                            "memory counts them until they are let go", SETTLE_TIMEOUT_S)
