@@ -12,10 +12,10 @@ transformers' models fill a key/value cache in every forward where `use_cache` i
 configs default to, training included (Hugging Face's `gradient_checkpointing_enable()` and
 `zerodp.checkpointing.apply` turn it off in training unless the caller asks for it; a block checkpointed
 otherwise keeps it). A checkpointed block's recompute runs the attention again with the same cache,
-which appends the layer's keys and values a second time: they arrive here with 2 x seq/S positions, the forward's and the recompute's (equal values). Unsplit,
-transformers' sdpa cuts a key longer than the query back to its first positions, which are right by
-accident. Through the all-to-all the S ranks' doubled shards interleave (rank 0's twice, then rank
-1's twice, ...), so that cut attended to rank 0's tokens twice: wrong gradients (up to 1.3e-2 off on a tiny
+which appends the layer's keys and values a second time: they arrive here with 2 x seq/S positions,
+the forward's and the recompute's (equal values). Unsplit, transformers' sdpa cuts a key longer than
+the query back to its first positions, which are right by accident. Through the all-to-all the S
+ranks' doubled shards interleave (rank 0's twice, then rank 1's twice, ...), so that cut attended to rank 0's tokens twice: wrong gradients (up to 1.3e-2 off on a tiny
 Llama at S = 2), and the recompute exchanged twice the key/value bytes (Llama-3.1-8B at S = 8: 3.2x one
 forward's all-to-all bytes per layer where forward, recompute and backward make 3x). So inside
 backward (a recompute) the attention takes the last seq/S positions, the ones this call computed (a
